@@ -1,0 +1,177 @@
+//! The forwarder's configuration: one place, validated before anything starts.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::routing::{is_valid_topic, DEFAULT_TOPIC_TEMPLATE};
+
+/// Connection settings for PostgreSQL, parsed from a libpq-style URL or
+/// key/value string. The password is kept here only; it never reaches logs.
+#[derive(Clone)]
+pub struct PgTarget {
+    config: tokio_postgres::Config,
+}
+
+impl PgTarget {
+    pub fn parse(url: &str) -> Result<Self> {
+        let config = tokio_postgres::Config::from_str(url).map_err(|e| {
+            Error::Config(format!("postgres url is not valid ({e}); expected postgres://user:password@host:port/dbname"))
+        })?;
+        if config.get_dbname().is_none() {
+            return Err(Error::Config(
+                "postgres url names no database; add /dbname".into(),
+            ));
+        }
+        if config.get_user().is_none() {
+            return Err(Error::Config("postgres url names no user".into()));
+        }
+        Ok(PgTarget { config })
+    }
+
+    pub fn sql_config(&self) -> &tokio_postgres::Config {
+        &self.config
+    }
+
+    pub fn host(&self) -> String {
+        match self.config.get_hosts().first() {
+            Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+            #[cfg(unix)]
+            Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+            None => "localhost".into(),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.config.get_ports().first().copied().unwrap_or(5432)
+    }
+
+    pub fn user(&self) -> &str {
+        self.config.get_user().unwrap_or_default()
+    }
+
+    pub fn password(&self) -> String {
+        self.config
+            .get_password()
+            .map(|p| String::from_utf8_lossy(p).into_owned())
+            .unwrap_or_default()
+    }
+
+    pub fn dbname(&self) -> &str {
+        self.config.get_dbname().unwrap_or_default()
+    }
+
+    /// `user@host:port/dbname`, without the password: safe to log.
+    pub fn redacted(&self) -> String {
+        format!(
+            "{}@{}:{}/{}",
+            self.user(),
+            self.host(),
+            self.port(),
+            self.dbname()
+        )
+    }
+}
+
+impl std::fmt::Debug for PgTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+/// Everything `outbox-forwarder run` needs.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub postgres: PgTarget,
+    pub kafka_bootstrap: String,
+    pub slot: String,
+    pub publication: String,
+    /// Create the publication and the slot when they are missing.
+    pub create_missing: bool,
+    pub topic_template: String,
+    /// At most this many events produced but not yet acknowledged by Kafka.
+    pub max_in_flight_events: usize,
+    /// At most this many payload bytes produced but not yet acknowledged.
+    pub max_in_flight_bytes: usize,
+    /// Longest wait between reconnection attempts.
+    pub max_backoff: Duration,
+}
+
+impl Config {
+    pub fn new(postgres_url: &str, kafka_bootstrap: &str) -> Result<Self> {
+        let config = Config {
+            postgres: PgTarget::parse(postgres_url)?,
+            kafka_bootstrap: kafka_bootstrap.to_owned(),
+            slot: "pg_outbox".into(),
+            publication: "pg_outbox".into(),
+            create_missing: true,
+            topic_template: DEFAULT_TOPIC_TEMPLATE.into(),
+            max_in_flight_events: 10_000,
+            max_in_flight_bytes: 64 << 20,
+            max_backoff: Duration::from_secs(30),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.kafka_bootstrap.trim().is_empty() {
+            return Err(Error::Config(
+                "kafka bootstrap servers are empty; set --kafka-bootstrap host:port".into(),
+            ));
+        }
+        for (what, name) in [("slot", &self.slot), ("publication", &self.publication)] {
+            let ok = !name.is_empty()
+                && name.len() <= 63
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+            if !ok {
+                return Err(Error::Config(format!(
+                    "{what} name {name:?} is not valid; use 1 to 63 characters of a-z, 0-9 and _"
+                )));
+            }
+        }
+        let sample = self.topic_template.replace("{aggregate_type}", "x");
+        if !is_valid_topic(&sample) {
+            return Err(Error::Config(format!(
+                "topic template {:?} does not give a valid Kafka topic name",
+                self.topic_template
+            )));
+        }
+        if self.max_in_flight_events == 0 || self.max_in_flight_bytes == 0 {
+            return Err(Error::Config("in-flight limits must be above zero".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn password_never_shows_in_debug_output() {
+        let c = Config::new("postgres://fwd:s3cret@127.0.0.1:5433/app", "127.0.0.1:9092")
+            .expect("valid");
+        let shown = format!("{c:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+        assert!(shown.contains("fwd@127.0.0.1:5433/app"), "{shown}");
+        assert_eq!(c.postgres.password(), "s3cret");
+    }
+
+    #[test]
+    fn bad_inputs_name_what_is_wrong() {
+        let err = Config::new("postgres://u@h/", "k:9092").expect_err("no db");
+        assert!(err.to_string().contains("no database"), "{err}");
+        let err = Config::new("not a url ::", "k:9092").expect_err("bad url");
+        assert!(err.to_string().contains("postgres url"), "{err}");
+        let mut c = Config::new("postgres://u@h/db", "k:9092").expect("valid");
+        c.slot = "Bad-Slot".into();
+        assert!(c
+            .validate()
+            .expect_err("bad slot")
+            .to_string()
+            .contains("slot name"));
+    }
+}

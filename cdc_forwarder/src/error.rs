@@ -1,0 +1,83 @@
+//! The forwarder's errors, classified once: whether a retry can help, and
+//! which exit code the process ends with.
+
+use crate::event::LayoutError;
+use crate::pgoutput::DecodeError;
+use crate::routing::RouteError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The configuration is wrong; nothing was started.
+    #[error("configuration: {0}")]
+    Config(String),
+
+    /// PostgreSQL is reachable but not set up for the forwarder.
+    #[error("{0}")]
+    Setup(String),
+
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+
+    #[error("replication stream: {0}")]
+    Replication(#[from] pgwire_replication::PgWireError),
+
+    #[error("replication stream: {0}")]
+    Decode(#[from] DecodeError),
+
+    #[error("outbox table layout: {0}")]
+    Layout(#[from] LayoutError),
+
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+
+    /// An event that cannot be delivered; it is never skipped silently.
+    #[error("event {event_id} cannot be delivered: {reason}")]
+    Poison { event_id: String, reason: String },
+}
+
+impl From<(String, RouteError)> for Error {
+    fn from((event_id, err): (String, RouteError)) -> Self {
+        Error::Poison {
+            event_id,
+            reason: err.to_string(),
+        }
+    }
+}
+
+impl Error {
+    /// Whether reconnecting and replaying from the slot can succeed.
+    ///
+    /// Connection loss, server restarts and broker unavailability are
+    /// transient. Authentication, privileges, missing objects, malformed
+    /// data and poison events are definite: retrying would only repeat them.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Config(_)
+            | Error::Setup(_)
+            | Error::Decode(_)
+            | Error::Layout(_)
+            | Error::Poison { .. } => false,
+            Error::Postgres(e) => match e.code() {
+                // Class 28 (authorization), 42 (syntax, privilege, undefined
+                // object) and 3D (no such database) will not heal by retrying.
+                Some(state) => !matches!(&state.code()[..2], "28" | "42" | "3D"),
+                None => true,
+            },
+            Error::Replication(e) => !e.is_auth(),
+            Error::Kafka(_) => true,
+        }
+    }
+
+    /// Process exit code for this error: 2 configuration, 3 setup, 4 poison
+    /// event, 1 anything else.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            Error::Config(_) => 2,
+            Error::Setup(_) => 3,
+            Error::Poison { .. } => 4,
+            _ => 1,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,17 @@
+//! pg_outbox forwarder: streams the inserts of `outbox.events` from a logical
+//! replication slot (pgoutput) into Kafka, and confirms a position to the slot
+//! only after Kafka acknowledged every event up to it.
+
+pub mod config;
+pub mod error;
+pub mod event;
+pub mod lsn;
+pub mod pgoutput;
+pub mod pipeline;
+pub mod producer;
+pub mod replication;
+pub mod routing;
+pub mod slot;
+
+pub use config::Config;
+pub use error::{Error, Result};

@@ -1,0 +1,125 @@
+//! `outbox-forwarder`: parses the command line and hands over to the library.
+
+use std::process::ExitCode;
+
+use cdc_forwarder::{pipeline, Config, Error};
+use clap::{Parser, Subcommand, ValueEnum};
+use tokio::sync::watch;
+
+#[derive(Parser)]
+#[command(
+    name = "outbox-forwarder",
+    version,
+    about = "Forwards pg_outbox events from PostgreSQL to Kafka"
+)]
+struct Cli {
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Human, env = "OUTBOX_LOG_FORMAT", global = true)]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Stream events from the replication slot into Kafka until SIGTERM or SIGINT.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// PostgreSQL connection URL of the database that has the pg_outbox
+    /// extension, for a role with the REPLICATION attribute.
+    #[arg(long, env = "OUTBOX_POSTGRES_URL", hide_env_values = true)]
+    postgres_url: String,
+    /// Kafka bootstrap servers, comma-separated host:port.
+    #[arg(long, env = "OUTBOX_KAFKA_BOOTSTRAP")]
+    kafka_bootstrap: String,
+    /// Logical replication slot to stream from.
+    #[arg(long, env = "OUTBOX_SLOT", default_value = "pg_outbox")]
+    slot: String,
+    /// Publication on outbox.events.
+    #[arg(long, env = "OUTBOX_PUBLICATION", default_value = "pg_outbox")]
+    publication: String,
+    /// Topic for an event without an override; {aggregate_type} is replaced.
+    #[arg(long, env = "OUTBOX_TOPIC_TEMPLATE", default_value = cdc_forwarder::routing::DEFAULT_TOPIC_TEMPLATE)]
+    topic_template: String,
+    /// Fail instead of creating a missing publication or slot.
+    #[arg(long, env = "OUTBOX_NO_CREATE")]
+    no_create: bool,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    match try_main(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!(error = %error, "outbox-forwarder stopped");
+            eprintln!("outbox-forwarder: {error}");
+            ExitCode::from(error.exit_code())
+        }
+    }
+}
+
+fn try_main(cli: Cli) -> Result<(), Error> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| Error::Config(format!("cannot start the async runtime: {e}")))?;
+    match cli.command {
+        Command::Run(args) => {
+            let mut config = Config::new(&args.postgres_url, &args.kafka_bootstrap)?;
+            config.slot = args.slot;
+            config.publication = args.publication;
+            config.topic_template = args.topic_template;
+            config.create_missing = !args.no_create;
+            config.validate()?;
+            runtime.block_on(async {
+                let shutdown = shutdown_signal();
+                pipeline::run(config, shutdown).await
+            })
+        }
+    }
+}
+
+/// Turns the first SIGTERM or SIGINT into a graceful shutdown; a second one
+/// ends the process at once.
+fn shutdown_signal() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!("cannot install signal handlers");
+            return;
+        };
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tracing::info!("shutdown requested");
+        let _ignored_if_finished = tx.send(true);
+        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
+        tracing::warn!("second signal, exiting at once");
+        std::process::exit(130);
+    });
+    rx
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("OUTBOX_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}

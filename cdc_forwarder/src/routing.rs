@@ -1,0 +1,166 @@
+//! Where an event goes in Kafka: topic, key, headers and value.
+
+use crate::event::OutboxEvent;
+
+/// Default topic template: one topic per aggregate type.
+pub const DEFAULT_TOPIC_TEMPLATE: &str = "outbox.{aggregate_type}";
+
+/// Header names the forwarder sets on every record.
+pub mod header {
+    pub const EVENT_ID: &str = "event_id";
+    pub const EVENT_TYPE: &str = "event_type";
+    pub const AGGREGATE_TYPE: &str = "aggregate_type";
+    pub const AGGREGATE_SEQ: &str = "aggregate_seq";
+    pub const SCHEMA_VERSION: &str = "schema_version";
+    pub const OCCURRED_AT: &str = "occurred_at";
+}
+
+/// Why an event cannot be routed. Such an event is poison: it is never skipped silently.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RouteError {
+    #[error("topic {topic:?} is not a valid Kafka topic name (1 to 249 characters of a-z A-Z 0-9 . _ -)")]
+    InvalidTopic { topic: String },
+    #[error("headers are not a JSON object of strings")]
+    InvalidHeaders,
+}
+
+/// A record ready to be produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    pub topic: String,
+    /// Header name and value pairs: the forwarder's own, then the user's.
+    pub headers: Vec<(String, String)>,
+}
+
+/// Turns events into Kafka destinations.
+#[derive(Debug, Clone)]
+pub struct Router {
+    topic_template: String,
+}
+
+impl Router {
+    pub fn new(topic_template: impl Into<String>) -> Self {
+        Router {
+            topic_template: topic_template.into(),
+        }
+    }
+
+    pub fn route(&self, event: &OutboxEvent) -> Result<Route, RouteError> {
+        let topic = match &event.topic {
+            Some(topic) => topic.clone(),
+            None => self
+                .topic_template
+                .replace("{aggregate_type}", &event.aggregate_type),
+        };
+        if !is_valid_topic(&topic) {
+            return Err(RouteError::InvalidTopic { topic });
+        }
+        let mut headers = vec![
+            (header::EVENT_ID.to_owned(), event.event_id.clone()),
+            (header::EVENT_TYPE.to_owned(), event.event_type.clone()),
+            (
+                header::AGGREGATE_TYPE.to_owned(),
+                event.aggregate_type.clone(),
+            ),
+            (
+                header::AGGREGATE_SEQ.to_owned(),
+                event.aggregate_seq.to_string(),
+            ),
+            (
+                header::SCHEMA_VERSION.to_owned(),
+                event.schema_version.to_string(),
+            ),
+            (header::OCCURRED_AT.to_owned(), event.occurred_at.clone()),
+        ];
+        if let Some(raw) = &event.headers {
+            let user: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_slice(raw).map_err(|_| RouteError::InvalidHeaders)?;
+            for (name, value) in user {
+                let serde_json::Value::String(value) = value else {
+                    return Err(RouteError::InvalidHeaders);
+                };
+                headers.push((name, value));
+            }
+        }
+        Ok(Route { topic, headers })
+    }
+}
+
+/// Kafka's rule for topic names.
+pub fn is_valid_topic(topic: &str) -> bool {
+    !topic.is_empty()
+        && topic.len() <= 249
+        && topic != "."
+        && topic != ".."
+        && topic
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn event() -> OutboxEvent {
+        OutboxEvent {
+            event_id: "0190a0b0-0000-7000-8000-000000000001".into(),
+            aggregate_type: "order".into(),
+            aggregate_id: "o-1".into(),
+            aggregate_seq: 3,
+            event_type: "OrderPlaced".into(),
+            schema_version: 1,
+            payload: Bytes::from_static(b"{}"),
+            headers: Some(Bytes::from_static(br#"{"trace": "abc"}"#)),
+            topic: None,
+            occurred_at: "2026-11-30 10:00:00+00".into(),
+        }
+    }
+
+    #[test]
+    fn template_names_the_topic_and_headers_carry_the_identity() {
+        let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
+            .route(&event())
+            .expect("routes");
+        assert_eq!(route.topic, "outbox.order");
+        let get = |k: &str| {
+            route
+                .headers
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get(header::AGGREGATE_SEQ), Some("3"));
+        assert_eq!(get(header::EVENT_TYPE), Some("OrderPlaced"));
+        assert_eq!(get("trace"), Some("abc"));
+    }
+
+    #[test]
+    fn override_wins_and_bad_topics_are_refused() {
+        let mut e = event();
+        e.topic = Some("billing".into());
+        assert_eq!(
+            Router::new(DEFAULT_TOPIC_TEMPLATE)
+                .route(&e)
+                .expect("routes")
+                .topic,
+            "billing"
+        );
+        e.topic = Some("no spaces".into());
+        assert!(matches!(
+            Router::new(DEFAULT_TOPIC_TEMPLATE).route(&e),
+            Err(RouteError::InvalidTopic { .. })
+        ));
+        assert!(!is_valid_topic(&"x".repeat(250)));
+    }
+
+    #[test]
+    fn non_string_headers_are_refused() {
+        let mut e = event();
+        e.headers = Some(Bytes::from_static(br#"{"n": 1}"#));
+        assert_eq!(
+            Router::new(DEFAULT_TOPIC_TEMPLATE).route(&e),
+            Err(RouteError::InvalidHeaders)
+        );
+    }
+}
