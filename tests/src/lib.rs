@@ -1,1 +1,428 @@
-//! placeholder
+//! Harness for the integration tests: a real PostgreSQL and a real Kafka from
+//! `scripts/stack up`, one database, slot and topic prefix per test, the real
+//! `outbox-forwarder` binary as a child process, and a `read_committed` Kafka
+//! consumer that reads back what arrived.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::ClientConfig;
+use tokio::process::{Child, Command};
+use tokio_postgres::{Client, NoTls};
+
+/// Connection settings of the running stack, from the environment that
+/// `scripts/test` exports (the output of `scripts/stack up`).
+#[derive(Debug, Clone)]
+pub struct Stack {
+    pub admin_url: String,
+    pub forwarder_url: String,
+    pub kafka: String,
+}
+
+impl Stack {
+    pub fn from_env() -> Stack {
+        let get = |key: &str| {
+            std::env::var(key).unwrap_or_else(|_| {
+                panic!("{key} is not set: run the tests with scripts/test, or export the output of scripts/stack up")
+            })
+        };
+        Stack {
+            admin_url: get("PGURL"),
+            forwarder_url: get("FORWARDER_PGURL"),
+            kafka: get("KAFKA_BOOTSTRAP"),
+        }
+    }
+}
+
+/// A random lower-case suffix that keeps one test's objects apart from another's.
+pub fn unique(prefix: &str) -> String {
+    let n: u64 = rand::rng().random();
+    format!("{prefix}_{n:016x}")
+}
+
+/// Replaces the database of a libpq URL.
+pub fn with_database(url: &str, db: &str) -> String {
+    let (base, _) = url.rsplit_once('/').expect("url has a database part");
+    format!("{base}/{db}")
+}
+
+pub async fn connect(url: &str) -> Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL: {e}"));
+    tokio::spawn(async move {
+        let _closed = connection.await;
+    });
+    client
+}
+
+/// A database of its own with the extension installed, and a slot name and a
+/// topic prefix of its own.
+pub struct TestDb {
+    pub stack: Stack,
+    pub name: String,
+    pub slot: String,
+    pub topic_prefix: String,
+}
+
+impl TestDb {
+    pub async fn create(test: &str) -> TestDb {
+        let stack = Stack::from_env();
+        let name = unique(&format!("t_{test}"));
+        let admin = connect(&stack.admin_url).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create database");
+        let db = TestDb {
+            slot: name.clone(),
+            topic_prefix: name.replace('_', "-"),
+            stack,
+            name,
+        };
+        db.admin()
+            .await
+            .batch_execute("CREATE EXTENSION pg_outbox")
+            .await
+            .expect("create extension");
+        db
+    }
+
+    /// A new superuser connection to this database.
+    pub async fn admin(&self) -> Client {
+        connect(&with_database(&self.stack.admin_url, &self.name)).await
+    }
+
+    /// URL of this database for the forwarder's least-privilege role.
+    pub fn forwarder_url(&self) -> String {
+        with_database(&self.stack.forwarder_url, &self.name)
+    }
+
+    /// Topic template giving this test's topics.
+    pub fn topic_template(&self) -> String {
+        format!("{}.{{aggregate_type}}", self.topic_prefix)
+    }
+
+    pub fn topic(&self, aggregate_type: &str) -> String {
+        format!("{}.{aggregate_type}", self.topic_prefix)
+    }
+
+    /// Creates a topic with `partitions` partitions; several keys share one.
+    pub async fn create_topic(&self, aggregate_type: &str, partitions: i32) -> String {
+        let topic = self.topic(aggregate_type);
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &self.stack.kafka)
+            .create()
+            .expect("admin client");
+        let results = admin
+            .create_topics(
+                &[NewTopic::new(
+                    &topic,
+                    partitions,
+                    TopicReplication::Fixed(1),
+                )],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+            )
+            .await
+            .expect("create topic");
+        for result in results {
+            if let Err((name, code)) = result {
+                assert_eq!(
+                    code,
+                    rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists,
+                    "creating {name}"
+                );
+            }
+        }
+        topic
+    }
+
+    /// Waits until a forwarder holds this test's slot (a condition, polled).
+    pub async fn wait_slot_active(&self, timeout: Duration) {
+        let admin = self.admin().await;
+        wait_until(timeout, "the forwarder to hold its slot", || async {
+            admin
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    &[&self.slot],
+                )
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        })
+        .await;
+    }
+
+    /// Waits until no process holds this test's slot.
+    pub async fn wait_slot_inactive(&self, timeout: Duration) {
+        let admin = self.admin().await;
+        wait_until(timeout, "the slot to be released", || async {
+            admin
+                .query_opt(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+                    &[&self.slot],
+                )
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        })
+        .await;
+    }
+
+    /// Drops the slot and the database. Call at the end of a test.
+    pub async fn drop(self) {
+        let admin = connect(&self.stack.admin_url).await;
+        let _maybe_missing = admin
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+                &[&self.slot],
+            )
+            .await;
+        let _in_use = admin
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .await;
+    }
+}
+
+/// Polls `check` every 50 ms until it holds, or panics after `timeout`.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The `outbox-forwarder` binary built by `scripts/test`.
+pub fn forwarder_bin() -> PathBuf {
+    if let Ok(path) = std::env::var("OUTBOX_FORWARDER_BIN") {
+        return PathBuf::from(path);
+    }
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/debug/outbox-forwarder");
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build -p cdc_forwarder` first (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// A running `outbox-forwarder run` process.
+pub struct Forwarder {
+    child: Child,
+    pub log: PathBuf,
+}
+
+impl Forwarder {
+    /// Starts the forwarder for `db` with extra command-line arguments.
+    pub fn spawn(db: &TestDb, extra: &[&str]) -> Forwarder {
+        let log = std::env::temp_dir().join(format!("{}-{}.log", db.name, unique("fwd")));
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(forwarder_bin())
+            .arg("run")
+            .args(["--postgres-url", &db.forwarder_url()])
+            .args(["--kafka-bootstrap", &db.stack.kafka])
+            .args(["--slot", &db.slot])
+            .args(["--topic-template", &db.topic_template()])
+            .args(extra)
+            .env("OUTBOX_LOG", "info,cdc_forwarder=debug")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn outbox-forwarder");
+        Forwarder { child, log }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id().expect("running") as i32
+    }
+
+    /// SIGKILL: the process gets no chance to clean up.
+    pub async fn kill9(mut self) {
+        self.child.start_kill().expect("kill");
+        let _status = self.child.wait().await;
+    }
+
+    /// Sends a signal and waits for the exit status.
+    pub async fn signal_and_wait(mut self, signal: &str) -> std::process::ExitStatus {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &self.pid().to_string()])
+            .status()
+            .expect("kill command");
+        assert!(status.success());
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("forwarder exits within 30 s")
+            .expect("exit status")
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// One record read back from Kafka.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub topic: String,
+    pub partition: i32,
+    pub offset: i64,
+    pub key: String,
+    pub headers: BTreeMap<String, String>,
+    pub payload: String,
+}
+
+impl Record {
+    pub fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .map(String::as_str)
+            .unwrap_or_else(|| panic!("record has no header {name}: {self:?}"))
+    }
+
+    pub fn event_id(&self) -> &str {
+        self.header("event_id")
+    }
+
+    pub fn seq(&self) -> i64 {
+        self.header("aggregate_seq")
+            .parse()
+            .expect("numeric sequence")
+    }
+}
+
+/// A `read_committed` consumer of its own group, from the earliest offset.
+pub struct Reader {
+    consumer: StreamConsumer,
+    pub records: Vec<Record>,
+}
+
+impl Reader {
+    pub fn new(stack: &Stack, topics: &[&str]) -> Reader {
+        let consumer: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &stack.kafka)
+            .set("group.id", unique("reader"))
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .create()
+            .expect("consumer");
+        consumer.subscribe(topics).expect("subscribe");
+        Reader {
+            consumer,
+            records: Vec::new(),
+        }
+    }
+
+    /// Reads until `done(records)` holds, or panics after `timeout`.
+    pub async fn read_until(
+        &mut self,
+        timeout: Duration,
+        what: &str,
+        done: impl FnMut(&[Record]) -> bool,
+    ) {
+        let held = self.try_read_until(timeout, done).await;
+        assert!(
+            held,
+            "timed out after {timeout:?} waiting for {what}; have {} records",
+            self.records.len()
+        );
+    }
+
+    /// Reads until `done(records)` holds (true) or `timeout` passes (false).
+    pub async fn try_read_until(
+        &mut self,
+        timeout: Duration,
+        mut done: impl FnMut(&[Record]) -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + timeout;
+        while !done(&self.records) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            self.poll(left.min(Duration::from_millis(500))).await;
+        }
+        true
+    }
+
+    /// Waits up to `wait` for one record and keeps it.
+    async fn poll(&mut self, wait: Duration) {
+        // An error (a topic that does not exist yet) is not a record: the
+        // consumer keeps asking.
+        let Ok(Ok(message)) = tokio::time::timeout(wait, self.consumer.recv()).await else {
+            return;
+        };
+        let text = |b: Option<&[u8]>| {
+            b.map(|v| String::from_utf8_lossy(v).into_owned())
+                .unwrap_or_default()
+        };
+        let mut headers = BTreeMap::new();
+        if let Some(h) = message.headers() {
+            for header in h.iter() {
+                headers.insert(header.key.to_owned(), text(header.value));
+            }
+        }
+        self.records.push(Record {
+            topic: message.topic().to_owned(),
+            partition: message.partition(),
+            offset: message.offset(),
+            key: text(message.key()),
+            headers,
+            payload: text(message.payload()),
+        });
+    }
+}
+
+/// Calls `outbox.emit_event` and returns the event id and its sequence.
+pub async fn emit(
+    client: &impl tokio_postgres::GenericClient,
+    aggregate_type: &str,
+    aggregate_id: &str,
+    event_type: &str,
+    payload: &str,
+) -> (String, i64) {
+    let row = client
+        .query_one(
+            "SELECT event_id::text, aggregate_seq FROM outbox.emit_event($1, $2, $3, $4::text::jsonb)",
+            &[&aggregate_type, &aggregate_id, &event_type, &payload],
+        )
+        .await
+        .expect("emit_event");
+    (row.get(0), row.get(1))
+}
+
+/// Every committed event in the table: id, aggregate id, sequence.
+pub async fn committed_events(client: &Client) -> Vec<(String, String, i64)> {
+    client
+        .query(
+            "SELECT event_id::text, aggregate_id, aggregate_seq FROM outbox.events ORDER BY aggregate_id, aggregate_seq",
+            &[],
+        )
+        .await
+        .expect("read events")
+        .into_iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
