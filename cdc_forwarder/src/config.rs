@@ -79,6 +79,16 @@ impl std::fmt::Debug for PgTarget {
     }
 }
 
+/// The delivery guarantee.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Idempotent producer; a crash can repeat events, never lose them.
+    AtLeastOnce,
+    /// Transactional producer with offsets stored in Kafka: a
+    /// `read_committed` consumer sees every event once.
+    ExactlyOnce,
+}
+
 /// Everything `outbox-forwarder run` needs.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -95,6 +105,17 @@ pub struct Config {
     pub max_in_flight_bytes: usize,
     /// Longest wait between reconnection attempts.
     pub max_backoff: Duration,
+    pub delivery: Delivery,
+    /// Compacted topic of the exactly-once offsets.
+    pub offsets_topic: String,
+    /// Overrides the transactional id derived from database and slot.
+    pub transactional_id_override: Option<String>,
+    /// A Kafka transaction is committed once it holds this many events...
+    pub batch_max_events: usize,
+    /// ...or has been open this long, at the next PostgreSQL commit.
+    pub batch_max_time: Duration,
+    /// Kafka's `transaction.timeout.ms`.
+    pub transaction_timeout: Duration,
 }
 
 impl Config {
@@ -109,9 +130,28 @@ impl Config {
             max_in_flight_events: 10_000,
             max_in_flight_bytes: 64 << 20,
             max_backoff: Duration::from_secs(30),
+            delivery: Delivery::AtLeastOnce,
+            offsets_topic: "pg_outbox.offsets".into(),
+            transactional_id_override: None,
+            batch_max_events: 5_000,
+            batch_max_time: Duration::from_millis(100),
+            transaction_timeout: Duration::from_secs(300),
         };
         config.validate()?;
         Ok(config)
+    }
+
+    /// The transactional id: one per database and slot, so a second
+    /// forwarder on the same slot fences the first.
+    pub fn transactional_id(&self) -> String {
+        self.transactional_id_override.clone().unwrap_or_else(|| {
+            format!(
+                "pg_outbox.{}.{}.{}",
+                self.postgres.host(),
+                self.postgres.dbname(),
+                self.slot
+            )
+        })
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -138,6 +178,15 @@ impl Config {
                 "topic template {:?} does not give a valid Kafka topic name",
                 self.topic_template
             )));
+        }
+        if !is_valid_topic(&self.offsets_topic) {
+            return Err(Error::Config(format!(
+                "offsets topic {:?} is not a valid Kafka topic name",
+                self.offsets_topic
+            )));
+        }
+        if self.batch_max_events == 0 {
+            return Err(Error::Config("batch size must be above zero".into()));
         }
         if self.max_in_flight_events == 0 || self.max_in_flight_bytes == 0 {
             return Err(Error::Config("in-flight limits must be above zero".into()));

@@ -30,6 +30,15 @@ pub enum Error {
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
 
+    /// Another instance holds the slot (or is creating it): this one waits
+    /// as a standby and tries again.
+    #[error("slot {0} is in use by another instance; waiting as standby")]
+    SlotBusy(String),
+
+    /// Another forwarder took over the slot's transactional id.
+    #[error("fenced: another forwarder instance took over transactional id {0}; this one stops producing")]
+    Fenced(String),
+
     /// An event that cannot be delivered; it is never skipped silently.
     #[error("event {event_id} cannot be delivered: {reason}")]
     Poison { event_id: String, reason: String },
@@ -56,6 +65,7 @@ impl Error {
             | Error::Setup(_)
             | Error::Decode(_)
             | Error::Layout(_)
+            | Error::Fenced(_)
             | Error::Poison { .. } => false,
             Error::Postgres(e) => match e.code() {
                 // Class 28 (authorization), 42 (syntax, privilege, undefined
@@ -64,17 +74,18 @@ impl Error {
                 None => true,
             },
             Error::Replication(e) => !e.is_auth(),
-            Error::Kafka(_) => true,
+            Error::Kafka(_) | Error::SlotBusy(_) => true,
         }
     }
 
     /// Process exit code for this error: 2 configuration, 3 setup, 4 poison
-    /// event, 1 anything else.
+    /// event, 5 fenced, 1 anything else.
     pub fn exit_code(&self) -> u8 {
         match self {
             Error::Config(_) => 2,
             Error::Setup(_) => 3,
             Error::Poison { .. } => 4,
+            Error::Fenced(_) => 5,
             _ => 1,
         }
     }

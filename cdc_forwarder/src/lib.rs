@@ -5,7 +5,9 @@
 pub mod config;
 pub mod error;
 pub mod event;
+pub mod faults;
 pub mod lsn;
+pub mod offsets;
 pub mod pgoutput;
 pub mod pipeline;
 pub mod producer;

@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use cdc_forwarder::config::Delivery;
 use cdc_forwarder::{pipeline, Config, Error};
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
@@ -53,6 +54,26 @@ struct RunArgs {
     /// Fail instead of creating a missing publication or slot.
     #[arg(long, env = "OUTBOX_NO_CREATE")]
     no_create: bool,
+    /// Delivery guarantee: at-least-once (idempotent producer) or
+    /// exactly-once (Kafka transactions with offsets stored in Kafka, for
+    /// read_committed consumers).
+    #[arg(long, value_enum, env = "OUTBOX_DELIVERY", default_value_t = DeliveryArg::AtLeastOnce)]
+    delivery: DeliveryArg,
+    /// Compacted topic that stores the exactly-once offsets.
+    #[arg(long, env = "OUTBOX_OFFSETS_TOPIC", default_value = "pg_outbox.offsets")]
+    offsets_topic: String,
+    /// Exactly-once: commit a Kafka transaction once it holds this many events...
+    #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 5000)]
+    batch_max_events: usize,
+    /// ...or once it has been open this many milliseconds.
+    #[arg(long, env = "OUTBOX_BATCH_MAX_MS", default_value_t = 100)]
+    batch_max_ms: u64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum DeliveryArg {
+    AtLeastOnce,
+    ExactlyOnce,
 }
 
 fn main() -> ExitCode {
@@ -80,6 +101,13 @@ fn try_main(cli: Cli) -> Result<(), Error> {
             config.publication = args.publication;
             config.topic_template = args.topic_template;
             config.create_missing = !args.no_create;
+            config.delivery = match args.delivery {
+                DeliveryArg::AtLeastOnce => Delivery::AtLeastOnce,
+                DeliveryArg::ExactlyOnce => Delivery::ExactlyOnce,
+            };
+            config.offsets_topic = args.offsets_topic;
+            config.batch_max_events = args.batch_max_events;
+            config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
             config.validate()?;
             runtime.block_on(async {
                 let shutdown = shutdown_signal();

@@ -2,76 +2,108 @@
 //! confirmed to the replication slot.
 //!
 //! ```text
-//!  slot ──pgoutput──▶ decode ──▶ route ──▶ produce ──▶ delivery reports
+//!  slot ──pgoutput──▶ decode ──▶ route ──▶ produce ──▶ delivery reports / Kafka commit
 //!   ▲                                                        │
-//!   └────────────── confirm(commit end LSN) ◀── tracker ◀────┘
+//!   └────────────── confirm(commit end LSN) ◀────────────────┘
 //! ```
 //!
 //! PostgreSQL restarts a logical slot at its `confirmed_flush_lsn` and
 //! silently skips every transaction that committed at or before it. So a
-//! position is confirmed only when every event of every transaction up to it
-//! has a successful delivery report from Kafka (`acks=all`). Positions are
-//! whole transactions (the commit's end LSN), never single rows: several
-//! events share one commit.
+//! position is confirmed only when Kafka durably has every event up to it.
+//! Positions are whole transactions (the commit's end LSN), never single
+//! rows: several events share one commit.
 //!
-//! The [`Tracker`] keeps the transactions in stream order with the number of
-//! their events still waiting for a report. Only the oldest transactions that
-//! are committed and fully delivered are released, so the confirmed position
-//! never passes a transaction that is still in flight, even when reports for
-//! later transactions arrive first.
+//! At-least-once: the [`Tracker`] keeps the transactions in stream order with
+//! the number of their events still waiting for a delivery report (`acks=all`).
+//! Only the oldest transactions that are committed and fully delivered are
+//! released, so the confirmed position never passes a transaction still in
+//! flight, even when reports for later transactions arrive first. A crash
+//! replays from the slot: events can repeat, never go missing.
 //!
-//! An idle outbox must not pin WAL while the rest of the database writes. When
-//! nothing is in flight and no transaction is open, a keepalive's position is
-//! confirmed: the server has sent everything before it, and we have delivered
-//! all of that. Transactions still running on the server commit later, at a
-//! higher position, so they are sent again after a restart.
+//! Exactly-once: events go into a Kafka transaction that also carries an
+//! offset record (see [`crate::offsets`]); it holds whole PostgreSQL
+//! transactions and is committed when it reaches `batch_max_events` or has
+//! been open `batch_max_time`. Only after the Kafka commit is the slot told.
+//! On start, after holding the slot, the forwarder fences older producers of
+//! its transactional id (`init_transactions`), reads the stored offset and
+//! skips every replayed transaction whose commit record lies before it: a
+//! transaction whose commit begins at or after the stored end position is new.
 //!
-//! On any error the session ends without confirming more; the next session
-//! replays from the slot, so delivery is at least once.
+//! Idle outbox: when nothing is in flight and no transaction is open, a
+//! keepalive's position is confirmed, so the slot never pins WAL that the rest
+//! of the database writes. The server has sent everything before that
+//! position and we have delivered all of it; transactions still running
+//! commit later, at a higher position, and are sent after a restart.
+//!
+//! First start: the slot is created with an exported snapshot; events that
+//! were committed before it are read from that snapshot and delivered (in
+//! exactly-once mode in one Kafka transaction whose offset is the slot's
+//! consistent point) before streaming starts, so there is no gap and no
+//! duplicate between them. `outbox.relay_progress` records that the
+//! catch-up is done; an unfinished one is redone on a fresh slot.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
 use rand::Rng;
+use rdkafka::producer::DeliveryFuture;
 use tokio::sync::watch;
+use tokio_postgres::Client;
 
-use crate::config::Config;
+use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
-use crate::event::EventLayout;
+use crate::event::{EventLayout, OutboxEvent};
+use crate::faults;
 use crate::lsn::Lsn;
+use crate::offsets::OffsetStore;
 use crate::pgoutput::Message;
-use crate::producer::{is_poison, Producer};
-use crate::replication::{ReplicationStream, StreamEvent};
+use crate::producer::{is_fenced, is_poison, Producer};
+use crate::replication::{CreatedSlot, ReplicationStream, StreamEvent};
 use crate::routing::Router;
 use crate::slot;
 
 /// How long a graceful shutdown waits for outstanding delivery reports.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the confirmed position is recorded in `outbox.relay_progress`.
+const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
+/// How long reading the stored offset may take.
+const OFFSET_LOAD_TIMEOUT: Duration = Duration::from_secs(60);
+/// Rows fetched at a time during the catch-up.
+const CATCH_UP_FETCH: i32 = 1_000;
 
 /// Runs the forwarder until `shutdown` turns true, reconnecting after
 /// transient failures with exponential backoff and jitter.
 pub async fn run(config: Config, mut shutdown: watch::Receiver<bool>) -> Result<()> {
-    let producer = Producer::new(&config)?;
     let router = Router::new(config.topic_template.clone());
     let mut failures: u32 = 0;
     loop {
         let started = Instant::now();
-        match run_session(&config, &producer, &router, &mut shutdown).await {
+        let outcome = Session::run(&config, &router, &mut shutdown).await;
+        let error = match outcome {
             Ok(()) => return Ok(()),
-            Err(error) if error.is_retryable() => {
-                if started.elapsed() > Duration::from_secs(30) {
-                    failures = 0;
-                }
-                failures = failures.saturating_add(1);
-                let wait = backoff(failures, config.max_backoff);
-                tracing::warn!(error = %error, retry_in_ms = wait.as_millis() as u64, "session ended, reconnecting");
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = shutdown.changed() => return Ok(()),
-                }
-            }
-            Err(error) => return Err(error),
+            Err(error) if is_fenced(&error) => Error::Fenced(config.transactional_id()),
+            Err(error) => error,
+        };
+        if !error.is_retryable() {
+            return Err(error);
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            failures = 0;
+        }
+        failures = failures.saturating_add(1);
+        // A standby polls the busy slot at a steady pace so it takes over
+        // within seconds of the active instance's end.
+        let wait = match error {
+            Error::SlotBusy(_) => Duration::from_millis(500),
+            _ => backoff(failures, config.max_backoff),
+        };
+        tracing::warn!(error = %error, retry_in_ms = wait.as_millis() as u64, "session ended, reconnecting");
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.changed() => return Ok(()),
         }
     }
 }
@@ -84,135 +116,475 @@ fn backoff(failures: u32, max: Duration) -> Duration {
     half + rand::rng().random_range(Duration::ZERO..=half)
 }
 
-async fn run_session(
-    config: &Config,
-    producer: &Producer,
-    router: &Router,
-    shutdown: &mut watch::Receiver<bool>,
-) -> Result<()> {
-    let sql = slot::connect(&config.postgres).await?;
-    slot::prepare(&sql, config).await?;
-    let mut stream = ReplicationStream::start(config).await?;
-    tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), "streaming");
+type Report = BoxFuture<'static, (u64, usize, Result<()>)>;
 
-    let mut tracker = Tracker::default();
-    let mut deliveries = FuturesUnordered::new();
-    let mut layout: Option<EventLayout> = None;
-    let mut open: Option<u64> = None;
-    let mut confirmed = Lsn::ZERO;
-
-    loop {
-        let has_room = tracker.events < config.max_in_flight_events
-            && tracker.bytes < config.max_in_flight_bytes;
-        tokio::select! {
-            biased;
-            _ = shutdown.changed() => break,
-            Some((txn, size, result)) = deliveries.next(), if !deliveries.is_empty() => {
-                result?;
-                tracker.delivered(txn, size);
-                confirm(&stream, &mut tracker, &mut confirmed);
-            }
-            event = stream.next(), if has_room => {
-                let Some(event) = event? else {
-                    return Err(Error::Replication(pgwire_replication::PgWireError::Io(
-                        std::sync::Arc::new(std::io::ErrorKind::UnexpectedEof.into()),
-                    )));
-                };
-                match event {
-                    StreamEvent::Begin { .. } => open = Some(tracker.begin()),
-                    StreamEvent::Change(Message::Relation(relation)) => {
-                        if EventLayout::is_events_table(&relation) {
-                            layout = Some(EventLayout::from_relation(&relation)?);
-                        }
-                    }
-                    StreamEvent::Change(Message::Insert { relation_id, values }) => {
-                        let (Some(layout), Some(txn)) = (&layout, open) else {
-                            return Err(Error::Setup("insert arrived before its relation or transaction".into()));
-                        };
-                        if layout.relation_id() != relation_id {
-                            tracing::warn!(relation_id, "ignoring insert into a table that is not outbox.events");
-                            continue;
-                        }
-                        let event = layout.event(values)?;
-                        let route = router.route(&event).map_err(|e| Error::from((event.event_id.clone(), e)))?;
-                        let size = event.size();
-                        let report = producer.send(&event, &route).await?;
-                        tracker.produced(txn, size);
-                        let event_id = event.event_id;
-                        deliveries.push(async move {
-                            let result = match report.await {
-                                Ok(Ok(_)) => Ok(()),
-                                Ok(Err((e, _))) => Err(match e.rdkafka_error_code() {
-                                    Some(code) if is_poison(code) => Error::Poison {
-                                        event_id,
-                                        reason: format!("kafka refused it: {code}"),
-                                    },
-                                    _ => Error::Kafka(e),
-                                }),
-                                Err(_) => Err(Error::Kafka(rdkafka::error::KafkaError::Canceled)),
-                            };
-                            (txn, size, result)
-                        });
-                    }
-                    StreamEvent::Change(Message::Other(tag)) => {
-                        tracing::debug!(tag = %(tag as char), "ignoring pgoutput message");
-                    }
-                    StreamEvent::Change(Message::Begin { .. } | Message::Commit { .. }) => {}
-                    StreamEvent::Commit { end_lsn, .. } => {
-                        if let Some(txn) = open.take() {
-                            tracker.commit(txn, end_lsn);
-                            confirm(&stream, &mut tracker, &mut confirmed);
-                        }
-                    }
-                    StreamEvent::KeepAlive { wal_end } => {
-                        if open.is_none() && tracker.is_empty() && wal_end > confirmed {
-                            confirmed = wal_end;
-                            stream.confirm(wal_end);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    // Graceful shutdown: read nothing more, let outstanding deliveries finish,
-    // confirm what is complete, then close the stream.
-    tracing::info!(
-        in_flight = tracker.events,
-        "shutting down, draining deliveries"
-    );
-    let deadline = tokio::time::sleep(DRAIN_TIMEOUT);
-    tokio::pin!(deadline);
-    while !deliveries.is_empty() {
-        tokio::select! {
-            Some((txn, size, result)) = deliveries.next() => {
-                if let Err(error) = result {
-                    tracing::warn!(error = %error, "delivery failed during shutdown; it will be replayed");
-                    break;
-                }
-                tracker.delivered(txn, size);
-                confirm(&stream, &mut tracker, &mut confirmed);
-            }
-            _ = &mut deadline => {
-                tracing::warn!(in_flight = tracker.events, "drain timed out; undelivered events will be replayed");
-                break;
-            }
-        }
-    }
-    stream.close().await?;
-    // The stream may have closed before its last status update went out.
-    slot::advance(&sql, &config.slot, confirmed).await?;
-    tracing::info!(confirmed_lsn = %confirmed, "stopped");
-    Ok(())
+/// A Kafka transaction being filled (exactly-once mode).
+struct KafkaTxn {
+    started: Instant,
+    events: usize,
+    /// Commit end LSN of the last complete PostgreSQL transaction in it.
+    last_end: Option<Lsn>,
 }
 
-fn confirm(stream: &ReplicationStream, tracker: &mut Tracker, confirmed: &mut Lsn) {
-    if let Some(lsn) = tracker.release() {
-        if lsn > *confirmed {
-            *confirmed = lsn;
+/// A PostgreSQL transaction being read from the stream.
+struct OpenTxn {
+    id: u64,
+    /// Already in Kafka (exactly-once replay): read past it.
+    skip: bool,
+}
+
+/// One connection to PostgreSQL and Kafka, from start to the first error or
+/// to shutdown.
+struct Session<'a> {
+    config: &'a Config,
+    router: &'a Router,
+    sql: Client,
+    producer: Producer,
+    offsets: OffsetStore,
+    tracker: Tracker,
+    reports: FuturesUnordered<Report>,
+    kafka_txn: Option<KafkaTxn>,
+    confirmed: Lsn,
+    recorded: Lsn,
+}
+
+impl<'a> Session<'a> {
+    async fn run(
+        config: &'a Config,
+        router: &'a Router,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<()> {
+        let sql = slot::connect(&config.postgres).await?;
+        slot::prepare(&sql, config).await?;
+        faults::check("producer_init");
+        let producer = Producer::new(config)?;
+        let offsets = OffsetStore {
+            bootstrap: config.kafka_bootstrap.clone(),
+            topic: config.offsets_topic.clone(),
+            key: config.transactional_id(),
+        };
+        let mut session = Session {
+            config,
+            router,
+            sql,
+            producer,
+            offsets,
+            tracker: Tracker::default(),
+            reports: FuturesUnordered::new(),
+            kafka_txn: None,
+            confirmed: Lsn::ZERO,
+            recorded: Lsn::ZERO,
+        };
+        let mut stream = ReplicationStream::connect(config).await?;
+        let mut initialized = false;
+        if config.delivery == Delivery::ExactlyOnce {
+            session.offsets.ensure_topic().await?;
+        }
+        if !session.is_caught_up().await? {
+            initialized = session.create_slot_and_catch_up(&mut stream).await?;
+        }
+        stream.start(&config.slot).await?;
+        let mut skip_before = Lsn::ZERO;
+        if config.delivery == Delivery::ExactlyOnce {
+            // Holding the slot now: fence any older producer of our id, then
+            // read where Kafka is.
+            if !initialized {
+                session.producer.init_transactions().await?;
+            }
+            if let Some(stored) = session.offsets.load_async(OFFSET_LOAD_TIMEOUT).await? {
+                skip_before = stored;
+                session.confirm(&stream, stored);
+                tracing::info!(stored_offset = %stored, "resuming after the stored offset");
+            }
+        }
+        tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, "streaming");
+        let outcome = session.stream(&mut stream, skip_before, shutdown).await;
+        if outcome.is_err() && session.kafka_txn.is_some() {
+            // Best effort: the next session's init_transactions aborts it anyway.
+            let _best_effort = session.producer.abort_transaction().await;
+        }
+        outcome?;
+        stream.close().await?;
+        // The stream may have closed before its last status update went out.
+        slot::advance(&session.sql, &config.slot, session.confirmed).await?;
+        slot::record_progress(&session.sql, &config.slot, session.confirmed, false).await?;
+        tracing::info!(confirmed_lsn = %session.confirmed, "stopped");
+        Ok(())
+    }
+
+    /// Whether the slot exists and its first-start catch-up is complete.
+    async fn is_caught_up(&self) -> Result<bool> {
+        let slot = &self.config.slot;
+        Ok(slot::slot_exists(&self.sql, slot).await? && slot::caught_up(&self.sql, slot).await?)
+    }
+
+    /// Creates the slot (dropping one whose catch-up never finished) and
+    /// delivers the events committed before it. Returns whether the producer
+    /// was initialised for transactions.
+    async fn create_slot_and_catch_up(&mut self, stream: &mut ReplicationStream) -> Result<bool> {
+        let config = self.config;
+        if !slot::try_lock_catch_up(&self.sql, &config.slot).await? {
+            return Err(Error::SlotBusy(config.slot.clone()));
+        }
+        let mut initialized = false;
+        if config.delivery == Delivery::ExactlyOnce {
+            self.producer.init_transactions().await?;
+            initialized = true;
+            // Kafka may hold a finished catch-up whose record in PostgreSQL
+            // was lost to a crash: then it is done.
+            if slot::slot_exists(&self.sql, &config.slot).await? {
+                if let Some(stored) = self.offsets.load_async(OFFSET_LOAD_TIMEOUT).await? {
+                    slot::record_progress(&self.sql, &config.slot, stored, true).await?;
+                    slot::unlock_catch_up(&self.sql, &config.slot).await?;
+                    return Ok(initialized);
+                }
+            }
+        }
+        if slot::slot_exists(&self.sql, &config.slot).await? {
+            if !config.create_missing {
+                return Err(Error::Setup(format!(
+                    "slot {:?} exists but its first-start catch-up never finished; allow creation so it can be recreated",
+                    config.slot
+                )));
+            }
+            tracing::warn!(slot = %config.slot, "slot exists without a finished catch-up; recreating it");
+            slot::drop_slot(&self.sql, &config.slot).await?;
+        } else if !config.create_missing {
+            return Err(Error::Setup(format!(
+                "replication slot {:?} does not exist; run `outbox-forwarder slot create` or allow creation",
+                config.slot
+            )));
+        }
+        let created = stream.create_slot(&config.slot).await?;
+        tracing::info!(slot = %config.slot, consistent_point = %created.consistent_point, "created replication slot");
+        let events = self.catch_up(&created).await?;
+        slot::record_progress(&self.sql, &config.slot, created.consistent_point, true).await?;
+        slot::unlock_catch_up(&self.sql, &config.slot).await?;
+        tracing::info!(events, "first-start catch-up done");
+        Ok(initialized)
+    }
+
+    /// Delivers every event visible in the slot's exported snapshot.
+    async fn catch_up(&mut self, created: &CreatedSlot) -> Result<u64> {
+        // A connection of its own: the session's stays free for progress.
+        let mut reader = slot::connect(&self.config.postgres).await?;
+        let tx = reader
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
+        tx.batch_execute(&format!(
+            "SET TRANSACTION SNAPSHOT '{}'",
+            created.snapshot.replace('\'', "''")
+        ))
+        .await?;
+        let portal = tx
+            .bind(
+                "SELECT event_id::text, aggregate_type, aggregate_id, aggregate_seq, event_type, schema_version, \
+                        payload::text, headers::text, topic, occurred_at::text \
+                   FROM outbox.events ORDER BY aggregate_type, aggregate_id, aggregate_seq",
+                &[],
+            )
+            .await?;
+        let txn = self.tracker.begin();
+        let mut count = 0u64;
+        loop {
+            let rows = tx.query_portal(&portal, CATCH_UP_FETCH).await?;
+            if rows.is_empty() {
+                break;
+            }
+            for row in rows {
+                let event = OutboxEvent {
+                    event_id: row.get(0),
+                    aggregate_type: row.get(1),
+                    aggregate_id: row.get(2),
+                    aggregate_seq: row.get(3),
+                    event_type: row.get(4),
+                    schema_version: row.get(5),
+                    payload: row.get::<_, String>(6).into(),
+                    headers: row.get::<_, Option<String>>(7).map(Into::into),
+                    topic: row.get(8),
+                    occurred_at: row.get(9),
+                };
+                self.produce(txn, event).await?;
+                count += 1;
+                while self.tracker.events >= self.config.max_in_flight_events {
+                    self.next_report().await?;
+                }
+            }
+        }
+        tx.commit().await?;
+        self.tracker.commit(txn, created.consistent_point);
+        match self.config.delivery {
+            Delivery::ExactlyOnce => {
+                if let Some(kafka) = &mut self.kafka_txn {
+                    kafka.last_end = Some(created.consistent_point);
+                    self.commit_kafka(None).await?;
+                } else {
+                    // Nothing to deliver: still store where Kafka stands.
+                    self.begin_kafka().await?;
+                    if let Some(kafka) = &mut self.kafka_txn {
+                        kafka.last_end = Some(created.consistent_point);
+                    }
+                    self.commit_kafka(None).await?;
+                }
+            }
+            Delivery::AtLeastOnce => {
+                while !self.reports.is_empty() {
+                    self.next_report().await?;
+                }
+                self.tracker.release();
+            }
+        }
+        Ok(count)
+    }
+
+    async fn stream(
+        &mut self,
+        stream: &mut ReplicationStream,
+        skip_before: Lsn,
+        shutdown: &mut watch::Receiver<bool>,
+    ) -> Result<()> {
+        let exactly_once = self.config.delivery == Delivery::ExactlyOnce;
+        let mut layout: Option<EventLayout> = None;
+        let mut open: Option<OpenTxn> = None;
+        let mut progress_tick = tokio::time::interval(PROGRESS_INTERVAL);
+        loop {
+            let has_room = self.tracker.events < self.config.max_in_flight_events
+                && self.tracker.bytes < self.config.max_in_flight_bytes;
+            let batch_due = match (&self.kafka_txn, &open) {
+                (Some(k), None) if k.last_end.is_some() => Some(k.started + self.config.batch_max_time),
+                _ => None,
+            };
+            tokio::select! {
+                biased;
+                _ = shutdown.changed() => break,
+                Some((txn, size, result)) = self.reports.next(), if !self.reports.is_empty() => {
+                    result?;
+                    self.tracker.delivered(txn, size);
+                    if !exactly_once {
+                        self.release(stream);
+                    }
+                }
+                _ = sleep_until_opt(batch_due), if batch_due.is_some() => {
+                    self.commit_kafka(Some(stream)).await?;
+                }
+                _ = progress_tick.tick() => {
+                    if self.confirmed > self.recorded {
+                        slot::record_progress(&self.sql, &self.config.slot, self.confirmed, false).await?;
+                        self.recorded = self.confirmed;
+                    }
+                }
+                event = stream.next(), if has_room => {
+                    let Some(event) = event? else {
+                        return Err(Error::Replication(pgwire_replication::PgWireError::Io(
+                            std::sync::Arc::new(std::io::ErrorKind::UnexpectedEof.into()),
+                        )));
+                    };
+                    match event {
+                        StreamEvent::Begin { final_lsn } => {
+                            let skip = exactly_once && final_lsn < skip_before;
+                            open = Some(OpenTxn { id: self.tracker.begin(), skip });
+                        }
+                        StreamEvent::Change(Message::Relation(relation)) => {
+                            if EventLayout::is_events_table(&relation) {
+                                layout = Some(EventLayout::from_relation(&relation)?);
+                            }
+                        }
+                        StreamEvent::Change(Message::Insert { relation_id, values }) => {
+                            let (Some(layout), Some(txn)) = (&layout, &open) else {
+                                return Err(Error::Setup("insert arrived before its relation or transaction".into()));
+                            };
+                            if layout.relation_id() != relation_id {
+                                tracing::warn!(relation_id, "ignoring insert into a table that is not outbox.events");
+                                continue;
+                            }
+                            if txn.skip {
+                                continue;
+                            }
+                            let txn = txn.id;
+                            let event = layout.event(values)?;
+                            self.produce(txn, event).await?;
+                        }
+                        StreamEvent::Change(Message::Other(tag)) => {
+                            tracing::debug!(tag = %(tag as char), "ignoring pgoutput message");
+                        }
+                        StreamEvent::Change(Message::Begin { .. } | Message::Commit { .. }) => {}
+                        StreamEvent::Commit { end_lsn, .. } => {
+                            let Some(txn) = open.take() else { continue };
+                            self.tracker.commit(txn.id, end_lsn);
+                            if !exactly_once {
+                                self.release(stream);
+                            } else if let Some(kafka) = &mut self.kafka_txn {
+                                kafka.last_end = Some(end_lsn);
+                                if kafka.events >= self.config.batch_max_events
+                                    || kafka.started.elapsed() >= self.config.batch_max_time
+                                {
+                                    self.commit_kafka(Some(stream)).await?;
+                                }
+                            } else {
+                                // Skipped or without events: nothing waits in Kafka.
+                                self.tracker.release();
+                                if txn.skip || end_lsn > self.confirmed {
+                                    self.confirm(stream, end_lsn.max(self.confirmed));
+                                }
+                            }
+                        }
+                        StreamEvent::KeepAlive { wal_end } => {
+                            if open.is_none() && self.tracker.is_empty() && self.kafka_txn.is_none() {
+                                self.confirm(stream, wal_end);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        // Graceful shutdown: read nothing more; finish or abandon what is in
+        // flight; confirm what Kafka has.
+        tracing::info!(in_flight = self.tracker.events, "shutting down, draining");
+        if exactly_once {
+            if open.is_some() {
+                // A PostgreSQL transaction is half produced: abort, it is replayed.
+                if self.kafka_txn.take().is_some() {
+                    self.producer.abort_transaction().await?;
+                }
+            } else if self.kafka_txn.is_some() {
+                self.commit_kafka(Some(stream)).await?;
+            }
+        } else {
+            let deadline = tokio::time::sleep(DRAIN_TIMEOUT);
+            tokio::pin!(deadline);
+            while !self.reports.is_empty() {
+                tokio::select! {
+                    Some((txn, size, result)) = self.reports.next() => {
+                        if let Err(error) = result {
+                            tracing::warn!(error = %error, "delivery failed during shutdown; it will be replayed");
+                            break;
+                        }
+                        self.tracker.delivered(txn, size);
+                        self.release(stream);
+                    }
+                    _ = &mut deadline => {
+                        tracing::warn!(in_flight = self.tracker.events, "drain timed out; undelivered events will be replayed");
+                        break;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Routes and hands one event to Kafka; in exactly-once mode inside the
+    /// open Kafka transaction.
+    async fn produce(&mut self, txn: u64, event: OutboxEvent) -> Result<()> {
+        let route = self
+            .router
+            .route(&event)
+            .map_err(|e| Error::from((event.event_id.clone(), e)))?;
+        if self.config.delivery == Delivery::ExactlyOnce && self.kafka_txn.is_none() {
+            self.begin_kafka().await?;
+        }
+        faults::check("before_produce");
+        let size = event.size();
+        let report = self.producer.send(&event, &route).await?;
+        faults::check("after_produce");
+        self.tracker.produced(txn, size);
+        if let Some(kafka) = &mut self.kafka_txn {
+            kafka.events += 1;
+        }
+        self.reports.push(watch_report(report, txn, size, event.event_id));
+        Ok(())
+    }
+
+    async fn begin_kafka(&mut self) -> Result<()> {
+        self.producer.begin_transaction().await?;
+        self.kafka_txn = Some(KafkaTxn {
+            started: Instant::now(),
+            events: 0,
+            last_end: None,
+        });
+        Ok(())
+    }
+
+    /// Commits the open Kafka transaction with its offset record, then
+    /// confirms its position to the slot (when streaming).
+    async fn commit_kafka(&mut self, stream: Option<&ReplicationStream>) -> Result<()> {
+        let Some(kafka) = &self.kafka_txn else { return Ok(()) };
+        let Some(end) = kafka.last_end else { return Ok(()) };
+        let offset = self.offsets.encode(end);
+        let report = self
+            .producer
+            .send_raw(&self.offsets.topic, &self.offsets.key, &offset)
+            .await?;
+        self.producer.commit_transaction().await?;
+        self.kafka_txn = None;
+        faults::check("after_kafka_commit");
+        // Every report has resolved with the commit; collect them.
+        let _offset_report = report.await;
+        while !self.reports.is_empty() {
+            self.next_report().await?;
+        }
+        self.tracker.release();
+        if let Some(stream) = stream {
+            self.confirm(stream, end);
+        } else {
+            self.confirmed = self.confirmed.max(end);
+        }
+        Ok(())
+    }
+
+    async fn next_report(&mut self) -> Result<()> {
+        if let Some((txn, size, result)) = self.reports.next().await {
+            result?;
+            self.tracker.delivered(txn, size);
+        }
+        Ok(())
+    }
+
+    /// At-least-once: confirms the newest position whose events all arrived.
+    fn release(&mut self, stream: &ReplicationStream) {
+        if let Some(lsn) = self.tracker.release() {
+            faults::check("after_kafka_commit");
+            self.confirm(stream, lsn);
+        }
+    }
+
+    fn confirm(&mut self, stream: &ReplicationStream, lsn: Lsn) {
+        if lsn > self.confirmed {
+            self.confirmed = lsn;
             stream.confirm(lsn);
+            faults::check("after_confirm");
             tracing::debug!(lsn = %lsn, "confirmed");
         }
+    }
+}
+
+/// Turns a delivery report into (transaction, size, outcome), naming the
+/// event when Kafka refuses it for good.
+fn watch_report(report: DeliveryFuture, txn: u64, size: usize, event_id: String) -> Report {
+    async move {
+        let result = match report.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(match e.rdkafka_error_code() {
+                Some(code) if is_poison(code) => Error::Poison {
+                    event_id,
+                    reason: format!("kafka refused it: {code}"),
+                },
+                _ => Error::Kafka(e),
+            }),
+            Err(_) => Err(Error::Kafka(rdkafka::error::KafkaError::Canceled)),
+        };
+        (txn, size, result)
+    }
+    .boxed()
+}
+
+async fn sleep_until_opt(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -1,5 +1,10 @@
-//! The Kafka side: an idempotent producer (`acks=all`) whose delivery reports
-//! decide when a transaction may be confirmed to the slot.
+//! The Kafka side. At-least-once: an idempotent producer (`acks=all`) whose
+//! delivery reports decide when a transaction may be confirmed. Exactly-once:
+//! the same producer made transactional, with a `transactional.id` derived
+//! from the slot so a second forwarder on the slot fences the first.
+//!
+//! The transactional calls block; they run on tokio's blocking pool, never on
+//! the async workers.
 
 use std::time::Duration;
 
@@ -8,18 +13,23 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
 
-use crate::config::Config;
+use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::routing::Route;
 
+/// How long a blocking transactional call may take.
+const TXN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Clone)]
 pub struct Producer {
     inner: FutureProducer,
 }
 
 impl Producer {
     pub fn new(config: &Config) -> Result<Self> {
-        let inner: FutureProducer = ClientConfig::new()
+        let mut client = ClientConfig::new();
+        client
             .set("bootstrap.servers", &config.kafka_bootstrap)
             .set("enable.idempotence", "true")
             .set("acks", "all")
@@ -27,8 +37,16 @@ impl Producer {
             // producers and consumers agree with us on a key's partition.
             .set("partitioner", "murmur2_random")
             .set("linger.ms", "5")
-            .set("client.id", "outbox-forwarder")
-            .create()?;
+            .set("client.id", "outbox-forwarder");
+        if config.delivery == Delivery::ExactlyOnce {
+            client
+                .set("transactional.id", config.transactional_id())
+                .set(
+                    "transaction.timeout.ms",
+                    config.transaction_timeout.as_millis().to_string(),
+                );
+        }
+        let inner: FutureProducer = client.create()?;
         Ok(Producer { inner })
     }
 
@@ -42,10 +60,23 @@ impl Producer {
                 value: Some(value.as_bytes()),
             });
         }
-        let mut record = FutureRecord::to(&route.topic)
+        let record = FutureRecord::to(&route.topic)
             .key(event.aggregate_id.as_bytes())
             .payload(&event.payload[..])
             .headers(headers);
+        self.enqueue(record, &event.event_id).await
+    }
+
+    /// Enqueues a record that is not an event (the offset record).
+    pub async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<DeliveryFuture> {
+        let record = FutureRecord::to(topic)
+            .key(key.as_bytes())
+            .payload(value.as_bytes());
+        self.enqueue(record, "offset record").await
+    }
+
+    async fn enqueue(&self, mut record: FutureRecord<'_, [u8], [u8]>, what: &str) -> Result<DeliveryFuture>
+    {
         loop {
             match self.inner.send_result(record) {
                 Ok(delivery) => return Ok(delivery),
@@ -55,13 +86,43 @@ impl Producer {
                 }
                 Err((KafkaError::MessageProduction(code), _)) if is_poison(code) => {
                     return Err(Error::Poison {
-                        event_id: event.event_id.clone(),
+                        event_id: what.to_owned(),
                         reason: format!("kafka refused it: {code}"),
                     })
                 }
                 Err((e, _)) => return Err(e.into()),
             }
         }
+    }
+
+    /// Registers the transactional id with the broker, fencing any older
+    /// producer with the same id and aborting its open transaction.
+    pub async fn init_transactions(&self) -> Result<()> {
+        self.blocking(|p| p.init_transactions(TXN_CALL_TIMEOUT)).await
+    }
+
+    pub async fn begin_transaction(&self) -> Result<()> {
+        self.blocking(|p| p.begin_transaction()).await
+    }
+
+    /// Commits the open transaction; every record in it is then delivered.
+    pub async fn commit_transaction(&self) -> Result<()> {
+        self.blocking(|p| p.commit_transaction(TXN_CALL_TIMEOUT)).await
+    }
+
+    pub async fn abort_transaction(&self) -> Result<()> {
+        self.blocking(|p| p.abort_transaction(TXN_CALL_TIMEOUT)).await
+    }
+
+    async fn blocking(
+        &self,
+        call: impl FnOnce(&FutureProducer) -> rdkafka::error::KafkaResult<()> + Send + 'static,
+    ) -> Result<()> {
+        let producer = self.inner.clone();
+        tokio::task::spawn_blocking(move || call(&producer))
+            .await
+            .map_err(|e| Error::Setup(format!("kafka call panicked: {e}")))?
+            .map_err(Error::from)
     }
 
     /// Waits for queued records to be delivered, up to `timeout`.
@@ -81,4 +142,25 @@ pub fn is_poison(code: RDKafkaErrorCode) -> bool {
             | RDKafkaErrorCode::InvalidTopic
             | RDKafkaErrorCode::InvalidRecord
     )
+}
+
+/// Whether a Kafka error means another instance took over the transactional id.
+pub fn is_fenced(error: &Error) -> bool {
+    match error {
+        Error::Kafka(KafkaError::Transaction(e)) => matches!(
+            e.code(),
+            RDKafkaErrorCode::ProducerFenced
+                | RDKafkaErrorCode::InvalidProducerEpoch
+                | RDKafkaErrorCode::Fenced
+        ),
+        Error::Kafka(e) => matches!(
+            e.rdkafka_error_code(),
+            Some(
+                RDKafkaErrorCode::ProducerFenced
+                    | RDKafkaErrorCode::InvalidProducerEpoch
+                    | RDKafkaErrorCode::Fenced
+            )
+        ),
+        _ => false,
+    }
 }

@@ -2,17 +2,19 @@
 //! replication protocol (through the `pgwire-replication` crate), so the
 //! client can be swapped without touching the pipeline.
 //!
-//! The stream starts where the slot's `confirmed_flush_lsn` is: we always ask
-//! for position 0/0 and PostgreSQL starts at the slot's confirmed position.
-//! Nothing is acknowledged to the server until [`ReplicationStream::confirm`]
-//! is called; until then the client reports 0/0, which the server ignores.
+//! A session is opened gated: before streaming starts it can create the slot
+//! with an exported snapshot, which the first-start catch-up reads from. The
+//! stream then starts where the slot's `confirmed_flush_lsn` is: we ask for
+//! position 0/0 and PostgreSQL starts at the slot's confirmed position.
+//! Nothing is acknowledged to the server until [`ReplicationStream::confirm`];
+//! until then the client reports 0/0, which the server ignores.
 
 use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 use crate::pgoutput::{self, Message};
 
@@ -20,7 +22,8 @@ use crate::pgoutput::{self, Message};
 #[derive(Debug)]
 pub enum StreamEvent {
     Begin {
-        xid: u32,
+        /// LSN of the transaction's commit record.
+        final_lsn: Lsn,
     },
     /// A Relation, Insert or other pgoutput message inside a transaction.
     Change(Message),
@@ -34,13 +37,23 @@ pub enum StreamEvent {
     },
 }
 
+/// A slot created with an exported snapshot.
+#[derive(Debug, Clone)]
+pub struct CreatedSlot {
+    /// Transactions that committed before this point are in the snapshot;
+    /// later ones come through the stream.
+    pub consistent_point: Lsn,
+    /// Usable with SET TRANSACTION SNAPSHOT until the stream starts.
+    pub snapshot: String,
+}
+
 pub struct ReplicationStream {
     client: ReplicationClient,
 }
 
 impl ReplicationStream {
-    /// Connects in replication mode and starts streaming the slot.
-    pub async fn start(config: &Config) -> Result<Self> {
+    /// Connects in replication mode; streaming waits for [`Self::start`].
+    pub async fn connect(config: &Config) -> Result<Self> {
         let pg = &config.postgres;
         let cfg = ReplicationConfig::new(
             pg.host(),
@@ -53,10 +66,49 @@ impl ReplicationStream {
         .with_port(pg.port())
         .with_tls(TlsConfig::disabled())
         .with_start_lsn(pgwire_replication::Lsn::ZERO)
-        .with_status_interval(Duration::from_secs(1))
+        .with_status_interval(Duration::from_millis(500))
+        .with_options("-c TimeZone=UTC -c DateStyle=ISO")
         .with_application_name("outbox-forwarder");
-        let client = ReplicationClient::connect(cfg).await?;
+        let client = ReplicationClient::connect_gated(cfg).await?;
         Ok(ReplicationStream { client })
+    }
+
+    /// CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export'). The snapshot stays
+    /// valid until [`Self::start`].
+    pub async fn create_slot(&mut self, slot: &str) -> Result<CreatedSlot> {
+        let rows = self
+            .client
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'export')"
+            ))
+            .await?;
+        let text = |i: usize| -> Option<String> {
+            let row = rows.first()?;
+            let value = row.get(i)?.as_ref()?;
+            Some(String::from_utf8_lossy(value).into_owned())
+        };
+        let bad = || Error::Setup("CREATE_REPLICATION_SLOT returned an unexpected row".into());
+        let consistent_point = text(1).and_then(|t| t.parse().ok()).ok_or_else(bad)?;
+        let snapshot = text(2).ok_or_else(bad)?;
+        Ok(CreatedSlot {
+            consistent_point,
+            snapshot,
+        })
+    }
+
+    /// Sends START_REPLICATION and waits until the server holds the slot for us.
+    pub async fn start(&mut self, slot: &str) -> Result<()> {
+        self.client.start().await?;
+        match self.client.wait_started().await {
+            Ok(()) => Ok(()),
+            // 55006 object_in_use: another walsender holds the slot.
+            Err(pgwire_replication::PgWireError::Server(message))
+                if message.contains("55006") || message.contains("is active for PID") =>
+            {
+                Err(Error::SlotBusy(slot.to_owned()))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// The next event; `None` when the server ended the stream.
@@ -66,7 +118,9 @@ impl ReplicationStream {
                 return Ok(None);
             };
             let event = match event {
-                ReplicationEvent::Begin { xid, .. } => StreamEvent::Begin { xid },
+                ReplicationEvent::Begin { final_lsn, .. } => StreamEvent::Begin {
+                    final_lsn: Lsn(final_lsn.as_u64()),
+                },
                 ReplicationEvent::Commit {
                     end_lsn,
                     commit_time_micros,
@@ -96,7 +150,7 @@ impl ReplicationStream {
             .update_applied_lsn(pgwire_replication::Lsn::from(lsn.0));
     }
 
-    /// Ends the stream after the last confirmation has been sent.
+    /// Ends the stream.
     pub async fn close(mut self) -> Result<()> {
         self.client.shutdown().await?;
         Ok(())

@@ -1,11 +1,11 @@
 //! The PostgreSQL side of the stream: the publication on the events table and
 //! the logical replication slot, created when missing.
 
-use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, NoTls};
 
 use crate::config::{Config, PgTarget};
 use crate::error::{Error, Result};
+use crate::lsn::Lsn;
 
 /// Opens an ordinary SQL connection; the connection task runs in the background.
 pub async fn connect(target: &PgTarget) -> Result<Client> {
@@ -15,11 +15,16 @@ pub async fn connect(target: &PgTarget) -> Result<Client> {
             tracing::debug!(error = %error, "sql connection closed");
         }
     });
+    // Timestamps in the same text form as the replication stream's.
+    client
+        .batch_execute("SET TimeZone = 'UTC'; SET DateStyle = 'ISO'")
+        .await?;
     Ok(client)
 }
 
 /// Checks that the database can feed the forwarder and creates the
-/// publication and slot when asked to.
+/// publication when asked to. The slot is created by the replication
+/// session, with the snapshot the first-start catch-up reads.
 pub async fn prepare(client: &Client, config: &Config) -> Result<()> {
     let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
     if wal_level != "logical" {
@@ -56,26 +61,6 @@ pub async fn prepare(client: &Client, config: &Config) -> Result<()> {
         tracing::info!(publication = %config.publication, "created publication");
     }
 
-    if !slot_exists(client, &config.slot).await? {
-        if !config.create_missing {
-            return Err(Error::Setup(format!(
-                "replication slot {:?} does not exist; run `outbox-forwarder slot create` or allow creation",
-                config.slot
-            )));
-        }
-        match client
-            .execute(
-                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                &[&config.slot],
-            )
-            .await
-        {
-            Ok(_) => tracing::info!(slot = %config.slot, "created replication slot"),
-            // Another instance created it first: that is the slot we want.
-            Err(e) if e.code() == Some(&SqlState::DUPLICATE_OBJECT) => {}
-            Err(e) => return Err(e.into()),
-        }
-    }
     Ok(())
 }
 
@@ -100,7 +85,7 @@ pub async fn slot_exists(client: &Client, name: &str) -> Result<bool> {
 }
 
 /// The slot's `confirmed_flush_lsn`, if the slot exists.
-pub async fn confirmed_flush(client: &Client, slot: &str) -> Result<Option<crate::lsn::Lsn>> {
+pub async fn confirmed_flush(client: &Client, slot: &str) -> Result<Option<Lsn>> {
     let row = client
         .query_opt(
             "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
@@ -115,7 +100,7 @@ pub async fn confirmed_flush(client: &Client, slot: &str) -> Result<Option<crate
 /// Moves an inactive slot's confirmed position forward to `lsn`, used after
 /// the stream closed so the last acknowledged position is not left unsent.
 /// Never moves it backward.
-pub async fn advance(client: &Client, slot: &str, lsn: crate::lsn::Lsn) -> Result<()> {
+pub async fn advance(client: &Client, slot: &str, lsn: Lsn) -> Result<()> {
     match confirmed_flush(client, slot).await? {
         Some(current) if current < lsn => {
             client
@@ -128,4 +113,63 @@ pub async fn advance(client: &Client, slot: &str, lsn: crate::lsn::Lsn) -> Resul
         }
         _ => Ok(()),
     }
+}
+
+/// Whether this slot's first-start catch-up has completed (recorded by the
+/// forwarder in `outbox.relay_progress`).
+pub async fn caught_up(client: &Client, slot: &str) -> Result<bool> {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM outbox.relay_progress WHERE slot_name = $1 AND caught_up_at IS NOT NULL)",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// Records the confirmed position, and with `caught_up` that the catch-up is done.
+pub async fn record_progress(client: &Client, slot: &str, lsn: Lsn, caught_up: bool) -> Result<()> {
+    client
+        .execute(
+            "SELECT outbox.record_relay_progress($1, $2::text::pg_lsn, $3)",
+            &[&slot, &lsn.to_string(), &caught_up],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Takes the session lock that one instance holds while it creates the slot
+/// and catches up; false when another instance holds it.
+pub async fn try_lock_catch_up(client: &Client, slot: &str) -> Result<bool> {
+    let row = client
+        .query_one(
+            "SELECT pg_try_advisory_lock(hashtext('pg_outbox.catch_up.' || $1))",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+pub async fn unlock_catch_up(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT pg_advisory_unlock(hashtext('pg_outbox.catch_up.' || $1))",
+            &[&slot],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Drops the slot (it must be inactive) and forgets its catch-up.
+pub async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    client
+        .execute("SELECT outbox.forget_relay($1)", &[&slot])
+        .await?;
+    Ok(())
 }

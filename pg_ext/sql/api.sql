@@ -77,6 +77,37 @@ $$;
 COMMENT ON FUNCTION outbox.ensure_publication(text) IS
     'Creates the insert-only publication on outbox.events that the forwarder streams, if missing.';
 
+CREATE FUNCTION outbox.record_relay_progress(slot_name name, confirmed_lsn pg_lsn, caught_up boolean DEFAULT false)
+RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO outbox.relay_progress AS p (slot_name, caught_up_at, caught_up_lsn, confirmed_lsn)
+    VALUES ($1, CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN $2 END, $2)
+    ON CONFLICT (slot_name) DO UPDATE
+       SET confirmed_lsn = GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn),
+           caught_up_at  = COALESCE(EXCLUDED.caught_up_at, p.caught_up_at),
+           caught_up_lsn = COALESCE(EXCLUDED.caught_up_lsn, p.caught_up_lsn),
+           updated_at    = now();
+$$;
+COMMENT ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) IS
+    'Called by outbox-forwarder: records a confirmed position for a slot, and that its first-start catch-up is done.';
+
+CREATE FUNCTION outbox.forget_relay(slot_name name) RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    DELETE FROM outbox.relay_progress WHERE relay_progress.slot_name = $1;
+$$;
+COMMENT ON FUNCTION outbox.forget_relay(name) IS
+    'Called by outbox-forwarder when it drops or recreates a slot: its catch-up must run again.';
+
+REVOKE ALL ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.forget_relay(name) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.forget_relay(name) TO outbox_relay;
+GRANT SELECT ON outbox.relay_progress TO outbox_relay;
+
 REVOKE ALL ON FUNCTION outbox.emit_event(text, text, text, jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.ensure_publication(text) FROM PUBLIC;
 GRANT EXECUTE ON FUNCTION outbox.emit_event(text, text, text, jsonb) TO outbox_writer;

@@ -50,6 +50,18 @@ CREATE TABLE outbox.aggregates (
 ) WITH (fillfactor = 50);
 COMMENT ON TABLE outbox.aggregates IS 'Last sequence number per aggregate; written only by emit_event.';
 
+-- What each forwarder (one per slot) has recorded: when its first-start
+-- catch-up finished, and the last position it confirmed. Written by the
+-- forwarder through outbox.record_relay_progress; read by retention and status.
+CREATE TABLE outbox.relay_progress (
+    slot_name      name        NOT NULL PRIMARY KEY,
+    caught_up_at   timestamptz,
+    caught_up_lsn  pg_lsn,
+    confirmed_lsn  pg_lsn,
+    updated_at     timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+COMMENT ON TABLE outbox.relay_progress IS 'Per slot: first-start catch-up done and last confirmed position, recorded by outbox-forwarder.';
+
 CREATE FUNCTION outbox.refuse_event_change() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 BEGIN
@@ -61,7 +73,7 @@ $$;
 CREATE TRIGGER events_immutable BEFORE UPDATE ON outbox.events
     FOR EACH ROW EXECUTE FUNCTION outbox.refuse_event_change();
 
-REVOKE ALL ON outbox.events, outbox.aggregates FROM PUBLIC;
+REVOKE ALL ON outbox.events, outbox.aggregates, outbox.relay_progress FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.refuse_event_change() FROM PUBLIC;
 GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_relay;
 -- The forwarder reads events for its first-start catch-up.

@@ -1,0 +1,58 @@
+//! Named crash points at the pipeline's boundaries, armed only by tests.
+//!
+//! `OUTBOX_FAULT=point` or `OUTBOX_FAULT=point:n` makes the process abort
+//! (no cleanup, like SIGKILL) the n-th time (default 1st) it passes `point`.
+//! Unset, a check costs one relaxed atomic load.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+/// The boundaries, in pipeline order.
+pub const POINTS: &[&str] = &[
+    // Producer set up, before init_transactions (exactly-once) or the first send.
+    "producer_init",
+    // An event is decoded and routed, before it is handed to Kafka.
+    "before_produce",
+    // Events handed to Kafka, before the Kafka commit (exactly-once) or
+    // before their delivery reports are counted (at-least-once).
+    "after_produce",
+    // Kafka committed (exactly-once: events and offset record together;
+    // at-least-once: all reports in), before the slot is told.
+    "after_kafka_commit",
+    // The slot was told the new position.
+    "after_confirm",
+];
+
+struct Armed {
+    point: String,
+    at: u64,
+    seen: AtomicU64,
+}
+
+fn armed() -> Option<&'static Armed> {
+    static ARMED: OnceLock<Option<Armed>> = OnceLock::new();
+    ARMED
+        .get_or_init(|| {
+            let spec = std::env::var("OUTBOX_FAULT").ok()?;
+            let (point, at) = match spec.split_once(':') {
+                Some((p, n)) => (p.to_owned(), n.parse().unwrap_or(1)),
+                None => (spec, 1),
+            };
+            Some(Armed {
+                point,
+                at: at.max(1),
+                seen: AtomicU64::new(0),
+            })
+        })
+        .as_ref()
+}
+
+/// Aborts the process if `point` is armed and its count is reached.
+pub fn check(point: &'static str) {
+    if let Some(armed) = armed() {
+        if armed.point == point && armed.seen.fetch_add(1, Ordering::Relaxed) + 1 == armed.at {
+            eprintln!("fault point {point} fired");
+            std::process::abort();
+        }
+    }
+}
