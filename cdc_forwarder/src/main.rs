@@ -60,7 +60,11 @@ struct RunArgs {
     #[arg(long, value_enum, env = "OUTBOX_DELIVERY", default_value_t = DeliveryArg::AtLeastOnce)]
     delivery: DeliveryArg,
     /// Compacted topic that stores the exactly-once offsets.
-    #[arg(long, env = "OUTBOX_OFFSETS_TOPIC", default_value = "pg_outbox.offsets")]
+    #[arg(
+        long,
+        env = "OUTBOX_OFFSETS_TOPIC",
+        default_value = "pg_outbox.offsets"
+    )]
     offsets_topic: String,
     /// Exactly-once: commit a Kafka transaction once it holds this many events...
     #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 5000)]

@@ -354,7 +354,9 @@ impl<'a> Session<'a> {
             let has_room = self.tracker.events < self.config.max_in_flight_events
                 && self.tracker.bytes < self.config.max_in_flight_bytes;
             let batch_due = match (&self.kafka_txn, &open) {
-                (Some(k), None) if k.last_end.is_some() => Some(k.started + self.config.batch_max_time),
+                (Some(k), None) if k.last_end.is_some() => {
+                    Some(k.started + self.config.batch_max_time)
+                }
                 _ => None,
             };
             tokio::select! {
@@ -494,7 +496,8 @@ impl<'a> Session<'a> {
         if let Some(kafka) = &mut self.kafka_txn {
             kafka.events += 1;
         }
-        self.reports.push(watch_report(report, txn, size, event.event_id));
+        self.reports
+            .push(watch_report(report, txn, size, event.event_id));
         Ok(())
     }
 
@@ -511,8 +514,12 @@ impl<'a> Session<'a> {
     /// Commits the open Kafka transaction with its offset record, then
     /// confirms its position to the slot (when streaming).
     async fn commit_kafka(&mut self, stream: Option<&ReplicationStream>) -> Result<()> {
-        let Some(kafka) = &self.kafka_txn else { return Ok(()) };
-        let Some(end) = kafka.last_end else { return Ok(()) };
+        let Some(kafka) = &self.kafka_txn else {
+            return Ok(());
+        };
+        let Some(end) = kafka.last_end else {
+            return Ok(());
+        };
         let offset = self.offsets.encode(end);
         let report = self
             .producer

@@ -75,8 +75,11 @@ impl Producer {
         self.enqueue(record, "offset record").await
     }
 
-    async fn enqueue(&self, mut record: FutureRecord<'_, [u8], [u8]>, what: &str) -> Result<DeliveryFuture>
-    {
+    async fn enqueue(
+        &self,
+        mut record: FutureRecord<'_, [u8], [u8]>,
+        what: &str,
+    ) -> Result<DeliveryFuture> {
         loop {
             match self.inner.send_result(record) {
                 Ok(delivery) => return Ok(delivery),
@@ -98,7 +101,8 @@ impl Producer {
     /// Registers the transactional id with the broker, fencing any older
     /// producer with the same id and aborting its open transaction.
     pub async fn init_transactions(&self) -> Result<()> {
-        self.blocking(|p| p.init_transactions(TXN_CALL_TIMEOUT)).await
+        self.blocking(|p| p.init_transactions(TXN_CALL_TIMEOUT))
+            .await
     }
 
     pub async fn begin_transaction(&self) -> Result<()> {
@@ -107,11 +111,13 @@ impl Producer {
 
     /// Commits the open transaction; every record in it is then delivered.
     pub async fn commit_transaction(&self) -> Result<()> {
-        self.blocking(|p| p.commit_transaction(TXN_CALL_TIMEOUT)).await
+        self.blocking(|p| p.commit_transaction(TXN_CALL_TIMEOUT))
+            .await
     }
 
     pub async fn abort_transaction(&self) -> Result<()> {
-        self.blocking(|p| p.abort_transaction(TXN_CALL_TIMEOUT)).await
+        self.blocking(|p| p.abort_transaction(TXN_CALL_TIMEOUT))
+            .await
     }
 
     async fn blocking(

@@ -32,9 +32,7 @@ pub enum StreamEvent {
         commit_time_micros: i64,
     },
     /// The server's position when it had nothing more to send.
-    KeepAlive {
-        wal_end: Lsn,
-    },
+    KeepAlive { wal_end: Lsn },
 }
 
 /// A slot created with an exported snapshot.

@@ -235,6 +235,12 @@ pub struct Forwarder {
 impl Forwarder {
     /// Starts the forwarder for `db` with extra command-line arguments.
     pub fn spawn(db: &TestDb, extra: &[&str]) -> Forwarder {
+        Self::spawn_with_env(db, extra, &[])
+    }
+
+    /// Starts the forwarder with extra arguments and environment variables
+    /// (`OUTBOX_FAULT` arms a fault point).
+    pub fn spawn_with_env(db: &TestDb, extra: &[&str], env: &[(&str, &str)]) -> Forwarder {
         let log = std::env::temp_dir().join(format!("{}-{}.log", db.name, unique("fwd")));
         let file = std::fs::File::create(&log).expect("log file");
         let child = Command::new(forwarder_bin())
@@ -245,6 +251,7 @@ impl Forwarder {
             .args(["--topic-template", &db.topic_template()])
             .args(extra)
             .env("OUTBOX_LOG", "info,cdc_forwarder=debug")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
@@ -256,6 +263,19 @@ impl Forwarder {
 
     pub fn pid(&self) -> i32 {
         self.child.id().expect("running") as i32
+    }
+
+    /// Waits for the process to end by itself (a fault point fired).
+    pub async fn wait_exit(mut self, timeout: Duration) -> std::process::ExitStatus {
+        tokio::time::timeout(timeout, self.child.wait())
+            .await
+            .expect("forwarder exits in time")
+            .expect("exit status")
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
     }
 
     /// SIGKILL: the process gets no chance to clean up.
@@ -367,6 +387,47 @@ impl Reader {
         true
     }
 
+    /// Reads until this consumer's position has reached the end of every
+    /// partition of `topics` as it stands now (for read_committed, the last
+    /// stable offset): nothing written before this call is left unread.
+    pub async fn read_to_end(&mut self, topics: &[&str], timeout: Duration) {
+        let mut ends = Vec::new();
+        for topic in topics {
+            let metadata = self
+                .consumer
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+                .expect("metadata");
+            for t in metadata.topics() {
+                for p in t.partitions() {
+                    let (_, high) = self
+                        .consumer
+                        .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+                        .expect("watermarks");
+                    ends.push((topic.to_string(), p.id(), high));
+                }
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let position = self.consumer.position().expect("position");
+            let behind = ends.iter().filter(|(t, p, high)| {
+                let at = position
+                    .find_partition(t, *p)
+                    .and_then(|e| e.offset().to_raw())
+                    .unwrap_or(0);
+                *high > 0 && at < *high
+            });
+            if behind.count() == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out reading to the end of {topics:?}"
+            );
+            self.poll(Duration::from_millis(200)).await;
+        }
+    }
+
     /// Waits up to `wait` for one record and keeps it.
     async fn poll(&mut self, wait: Duration) {
         // An error (a topic that does not exist yet) is not a record: the
@@ -425,4 +486,91 @@ pub async fn committed_events(client: &Client) -> Vec<(String, String, i64)> {
         .into_iter()
         .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect()
+}
+
+/// Emits `transactions` transactions of 1 to 3 events each over `aggregates`
+/// aggregates of one type, locking them in sorted order.
+pub async fn write_transactions(
+    client: &mut Client,
+    aggregate_type: &str,
+    aggregates: usize,
+    transactions: usize,
+) {
+    use rand::seq::SliceRandom;
+    for n in 0..transactions {
+        let mut ids: Vec<usize> = (0..aggregates).collect();
+        ids.shuffle(&mut rand::rng());
+        let mut chosen: Vec<usize> = ids.into_iter().take(1 + n % 3).collect();
+        chosen.sort();
+        let tx = client.transaction().await.expect("begin");
+        for a in chosen {
+            emit(
+                &tx,
+                aggregate_type,
+                &format!("{aggregate_type}-{a}"),
+                "Happened",
+                "{}",
+            )
+            .await;
+        }
+        tx.commit().await.expect("commit");
+    }
+}
+
+/// What arrived compared with what committed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Verdict {
+    pub committed: usize,
+    pub received: usize,
+    pub lost: usize,
+    pub duplicates: usize,
+    pub phantoms: usize,
+    pub order_violations: usize,
+}
+
+/// Compares the records with the committed events: loss, duplicates,
+/// phantoms, and per-key order (offset order must follow sequence order, the
+/// first arrival of each sequence counted).
+pub fn verdict(committed: &[(String, String, i64)], records: &[Record]) -> Verdict {
+    use std::collections::{HashMap, HashSet};
+    let known: HashSet<&str> = committed.iter().map(|e| e.0.as_str()).collect();
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for r in records {
+        *seen.entry(r.event_id()).or_default() += 1;
+    }
+    // (partition, offset, sequence) of each record, per topic and key.
+    type Arrivals = Vec<(i32, i64, i64)>;
+    let mut by_key: BTreeMap<(&str, &str), Arrivals> = BTreeMap::new();
+    for r in records {
+        by_key
+            .entry((r.topic.as_str(), r.key.as_str()))
+            .or_default()
+            .push((r.partition, r.offset, r.seq()));
+    }
+    let mut order_violations = 0;
+    for (_, mut list) in by_key {
+        list.sort();
+        let mut highest = 0;
+        for (_, _, seq) in list {
+            if seq <= highest {
+                // A replay may repeat earlier sequences; a new one must be next.
+                continue;
+            }
+            if seq != highest + 1 {
+                order_violations += 1;
+            }
+            highest = seq;
+        }
+    }
+    Verdict {
+        committed: committed.len(),
+        received: records.len(),
+        lost: committed
+            .iter()
+            .filter(|e| !seen.contains_key(e.0.as_str()))
+            .count(),
+        duplicates: seen.values().map(|n| n - 1).sum(),
+        phantoms: seen.keys().filter(|id| !known.contains(*id)).count(),
+        order_violations,
+    }
 }
