@@ -116,6 +116,8 @@ pub struct Config {
     pub batch_max_time: Duration,
     /// Kafka's `transaction.timeout.ms`.
     pub transaction_timeout: Duration,
+    /// Where poison events go; without it a poison event halts the forwarder.
+    pub dead_letter_topic: Option<String>,
 }
 
 impl Config {
@@ -136,6 +138,7 @@ impl Config {
             batch_max_events: 5_000,
             batch_max_time: Duration::from_millis(100),
             transaction_timeout: Duration::from_secs(300),
+            dead_letter_topic: None,
         };
         config.validate()?;
         Ok(config)
@@ -184,6 +187,13 @@ impl Config {
                 "offsets topic {:?} is not a valid Kafka topic name",
                 self.offsets_topic
             )));
+        }
+        if let Some(topic) = &self.dead_letter_topic {
+            if !is_valid_topic(topic) {
+                return Err(Error::Config(format!(
+                    "dead-letter topic {topic:?} is not a valid Kafka topic name"
+                )));
+            }
         }
         if self.batch_max_events == 0 {
             return Err(Error::Config("batch size must be above zero".into()));

@@ -72,6 +72,10 @@ struct RunArgs {
     /// ...or once it has been open this many milliseconds.
     #[arg(long, env = "OUTBOX_BATCH_MAX_MS", default_value_t = 100)]
     batch_max_ms: u64,
+    /// Send events Kafka refuses (too large, unroutable) to this topic, with
+    /// the reason in headers, instead of halting.
+    #[arg(long, env = "OUTBOX_DEAD_LETTER_TOPIC")]
+    dead_letter_topic: Option<String>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -110,6 +114,7 @@ fn try_main(cli: Cli) -> Result<(), Error> {
                 DeliveryArg::ExactlyOnce => Delivery::ExactlyOnce,
             };
             config.offsets_topic = args.offsets_topic;
+            config.dead_letter_topic = args.dead_letter_topic;
             config.batch_max_events = args.batch_max_events;
             config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
             config.validate()?;

@@ -42,7 +42,7 @@
 //! duplicate between them. `outbox.relay_progress` records that the
 //! catch-up is done; an unfinished one is redone on a fresh slot.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -71,6 +71,8 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 /// How long reading the stored offset may take.
 const OFFSET_LOAD_TIMEOUT: Duration = Duration::from_secs(60);
+/// A dead-lettered event keeps its payload up to this size.
+const DEAD_LETTER_MAX_PAYLOAD: usize = 512 * 1024;
 /// Rows fetched at a time during the catch-up.
 const CATCH_UP_FETCH: i32 = 1_000;
 
@@ -78,12 +80,20 @@ const CATCH_UP_FETCH: i32 = 1_000;
 /// transient failures with exponential backoff and jitter.
 pub async fn run(config: Config, mut shutdown: watch::Receiver<bool>) -> Result<()> {
     let router = Router::new(config.topic_template.clone());
+    // Events Kafka refused at delivery: with a dead-letter topic, the next
+    // session sends them there instead of halting again.
+    let mut poisoned: HashSet<String> = HashSet::new();
     let mut failures: u32 = 0;
     loop {
         let started = Instant::now();
-        let outcome = Session::run(&config, &router, &mut shutdown).await;
+        let outcome = Session::run(&config, &router, &mut poisoned, &mut shutdown).await;
         let error = match outcome {
             Ok(()) => return Ok(()),
+            Err(Error::Poison { event_id, reason }) if config.dead_letter_topic.is_some() => {
+                tracing::warn!(event_id = %event_id, reason = %reason, "kafka refused an event at delivery; replaying to dead-letter it");
+                poisoned.insert(event_id);
+                continue;
+            }
             Err(error) if is_fenced(&error) => Error::Fenced(config.transactional_id()),
             Err(error) => error,
         };
@@ -138,6 +148,7 @@ struct OpenTxn {
 struct Session<'a> {
     config: &'a Config,
     router: &'a Router,
+    poisoned: &'a mut HashSet<String>,
     sql: Client,
     producer: Producer,
     offsets: OffsetStore,
@@ -146,12 +157,14 @@ struct Session<'a> {
     kafka_txn: Option<KafkaTxn>,
     confirmed: Lsn,
     recorded: Lsn,
+    dead_lettered: u64,
 }
 
 impl<'a> Session<'a> {
     async fn run(
         config: &'a Config,
         router: &'a Router,
+        poisoned: &'a mut HashSet<String>,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<()> {
         let sql = slot::connect(&config.postgres).await?;
@@ -166,6 +179,7 @@ impl<'a> Session<'a> {
         let mut session = Session {
             config,
             router,
+            poisoned,
             sql,
             producer,
             offsets,
@@ -174,6 +188,7 @@ impl<'a> Session<'a> {
             kafka_txn: None,
             confirmed: Lsn::ZERO,
             recorded: Lsn::ZERO,
+            dead_lettered: 0,
         };
         let mut stream = ReplicationStream::connect(config).await?;
         let mut initialized = false;
@@ -481,23 +496,82 @@ impl<'a> Session<'a> {
     /// Routes and hands one event to Kafka; in exactly-once mode inside the
     /// open Kafka transaction.
     async fn produce(&mut self, txn: u64, event: OutboxEvent) -> Result<()> {
-        let route = self
-            .router
-            .route(&event)
-            .map_err(|e| Error::from((event.event_id.clone(), e)))?;
         if self.config.delivery == Delivery::ExactlyOnce && self.kafka_txn.is_none() {
             self.begin_kafka().await?;
         }
+        if self.poisoned.contains(&event.event_id) {
+            return self
+                .dead_letter(txn, event, "kafka refused it at delivery".into(), None)
+                .await;
+        }
+        let route = match self.router.route(&event) {
+            Ok(route) => route,
+            Err(e) => return self.dead_letter(txn, event, e.to_string(), None).await,
+        };
         faults::check("before_produce");
         let size = event.size();
-        let report = self.producer.send(&event, &route).await?;
+        let report = match self.producer.send(&event, &route).await {
+            Ok(report) => report,
+            Err(Error::Poison { reason, .. }) => {
+                return self
+                    .dead_letter(txn, event, reason, Some(route.topic))
+                    .await
+            }
+            Err(e) => return Err(e),
+        };
         faults::check("after_produce");
+        self.track(txn, size, report, event.event_id);
+        Ok(())
+    }
+
+    fn track(&mut self, txn: u64, size: usize, report: DeliveryFuture, event_id: String) {
         self.tracker.produced(txn, size);
         if let Some(kafka) = &mut self.kafka_txn {
             kafka.events += 1;
         }
-        self.reports
-            .push(watch_report(report, txn, size, event.event_id));
+        self.reports.push(watch_report(report, txn, size, event_id));
+    }
+
+    /// A poison event: halts the forwarder, or with a dead-letter topic goes
+    /// there with the reason in its headers. Never skipped silently.
+    async fn dead_letter(
+        &mut self,
+        txn: u64,
+        mut event: OutboxEvent,
+        reason: String,
+        topic: Option<String>,
+    ) -> Result<()> {
+        let Some(dead_letter_topic) = &self.config.dead_letter_topic else {
+            tracing::error!(event_id = %event.event_id, reason = %reason, "poison event; halting (configure a dead-letter topic to divert such events)");
+            return Err(Error::Poison {
+                event_id: event.event_id,
+                reason,
+            });
+        };
+        let mut headers = vec![
+            ("event_id".to_owned(), event.event_id.clone()),
+            ("event_type".to_owned(), event.event_type.clone()),
+            ("aggregate_type".to_owned(), event.aggregate_type.clone()),
+            ("aggregate_seq".to_owned(), event.aggregate_seq.to_string()),
+            ("dead_letter_reason".to_owned(), reason.clone()),
+        ];
+        if let Some(topic) = topic.or_else(|| event.topic.clone()) {
+            headers.push(("dead_letter_topic".to_owned(), topic));
+        }
+        if event.payload.len() > DEAD_LETTER_MAX_PAYLOAD {
+            // Too large for Kafka: the payload stays in outbox.events.
+            headers.push(("dead_letter_payload_dropped".to_owned(), "true".to_owned()));
+            event.payload = bytes::Bytes::new();
+        }
+        event.headers = None;
+        let route = crate::routing::Route {
+            topic: dead_letter_topic.clone(),
+            headers,
+        };
+        let report = self.producer.send(&event, &route).await?;
+        self.dead_lettered += 1;
+        tracing::warn!(event_id = %event.event_id, reason = %reason, topic = %dead_letter_topic, dead_lettered = self.dead_lettered, "poison event sent to the dead-letter topic");
+        self.track(txn, event.size(), report, event.event_id);
         Ok(())
     }
 

@@ -64,7 +64,7 @@ impl ReplicationStream {
         .with_port(pg.port())
         .with_tls(TlsConfig::disabled())
         .with_start_lsn(pgwire_replication::Lsn::ZERO)
-        .with_status_interval(Duration::from_millis(500))
+        .with_status_interval(Duration::from_millis(100))
         .with_options("-c TimeZone=UTC -c DateStyle=ISO")
         .with_application_name("outbox-forwarder");
         let client = ReplicationClient::connect_gated(cfg).await?;

@@ -574,3 +574,66 @@ pub fn verdict(committed: &[(String, String, i64)], records: &[Record]) -> Verdi
         order_violations,
     }
 }
+
+/// Like [`write_transactions`], but rides out server restarts: on any error it
+/// reconnects and goes on. A transaction whose commit was cut off may or may
+/// not have committed; `outbox.events` is the truth to compare with.
+pub async fn write_transactions_through_restarts(
+    url: String,
+    aggregate_type: String,
+    aggregates: usize,
+    transactions: usize,
+) {
+    let mut done = 0;
+    let mut client: Option<Client> = None;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while done < transactions {
+        assert!(Instant::now() < deadline, "writer could not finish");
+        let c = match &mut client {
+            Some(c) if !c.is_closed() => c,
+            _ => match tokio_postgres::connect(&url, NoTls).await {
+                Ok((c, connection)) => {
+                    tokio::spawn(async move {
+                        let _closed = connection.await;
+                    });
+                    client.insert(c)
+                }
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let attempt = async {
+            let tx = c.transaction().await?;
+            for a in 0..=(done % 3) {
+                let id = format!("{aggregate_type}-{}", (done + a) % aggregates);
+                tx.query_one(
+                    "SELECT outbox.emit_event($1, $2, 'Happened', '{}')",
+                    &[&aggregate_type, &id],
+                )
+                .await?;
+            }
+            tx.commit().await
+        };
+        match attempt.await {
+            Ok(()) => done += 1,
+            Err(_) => {
+                client = None;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Runs `scripts/stack` with arguments (restarts for fault tests).
+pub fn stack_command(args: &[&str]) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/stack");
+    let status = std::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .stdout(Stdio::null())
+        .status()
+        .expect("scripts/stack");
+    assert!(status.success(), "scripts/stack {args:?} failed");
+}
