@@ -2,8 +2,8 @@
 //! shared servers, so this binary's tests run one at a time (cargo runs test
 //! binaries one after another).
 
-use std::sync::Mutex;
 use std::time::Duration;
+use tokio::sync::Mutex;
 
 use pg_outbox_tests::{
     committed_events, stack_command, verdict, with_database, write_transactions_through_restarts,
@@ -11,7 +11,7 @@ use pg_outbox_tests::{
 };
 
 const WAIT: Duration = Duration::from_secs(180);
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
 
 async fn run_through(restarts: &[&[&str]], args: &[&str], name: &str) {
     let db = TestDb::create(name).await;
@@ -58,7 +58,7 @@ async fn run_through(restarts: &[&[&str]], args: &[&str], name: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_fast_and_immediate_restarts_lose_and_duplicate_nothing() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = ONE_AT_A_TIME.lock().await;
     run_through(
         &[&["restart-pg", "fast"], &["restart-pg", "immediate"]],
         &["--delivery", "exactly-once"],
@@ -69,7 +69,7 @@ async fn postgres_fast_and_immediate_restarts_lose_and_duplicate_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broker_restart_loses_and_duplicates_nothing() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = ONE_AT_A_TIME.lock().await;
     run_through(
         &[&["restart-kafka"]],
         &["--delivery", "exactly-once"],
@@ -80,7 +80,7 @@ async fn a_broker_restart_loses_and_duplicates_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn at_least_once_rides_out_both_restarts_without_loss() {
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = ONE_AT_A_TIME.lock().await;
     run_through(
         &[&["restart-pg", "immediate"], &["restart-kafka"]],
         &[],
