@@ -429,7 +429,7 @@ impl Reader {
     }
 
     /// Waits up to `wait` for one record and keeps it.
-    async fn poll(&mut self, wait: Duration) {
+    pub async fn poll(&mut self, wait: Duration) {
         // An error (a topic that does not exist yet) is not a record: the
         // consumer keeps asking.
         let Ok(Ok(message)) = tokio::time::timeout(wait, self.consumer.recv()).await else {
