@@ -87,9 +87,17 @@ impl TestDb {
             stack,
             name,
         };
+        // OUTBOX_EXTENSION_FROM=0.1.0 installs that released version and
+        // upgrades it, so the suite runs on an upgraded extension.
+        let install = match std::env::var("OUTBOX_EXTENSION_FROM") {
+            Ok(version) if !version.is_empty() => format!(
+                "CREATE EXTENSION pg_outbox VERSION '{version}'; ALTER EXTENSION pg_outbox UPDATE"
+            ),
+            _ => "CREATE EXTENSION pg_outbox".to_owned(),
+        };
         db.admin()
             .await
-            .batch_execute("CREATE EXTENSION pg_outbox")
+            .batch_execute(&install)
             .await
             .expect("create extension");
         db
@@ -144,13 +152,16 @@ impl TestDb {
         topic
     }
 
-    /// Waits until a forwarder holds this test's slot (a condition, polled).
+    /// Waits until a forwarder holds this test's slot and has finished its
+    /// first-start catch-up (a condition, polled).
     pub async fn wait_slot_active(&self, timeout: Duration) {
         let admin = self.admin().await;
         wait_until(timeout, "the forwarder to hold its slot", || async {
             admin
                 .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                    "SELECT 1 FROM pg_replication_slots s JOIN outbox.relay_progress p USING (slot_name) \
+                      WHERE s.slot_name = $1 AND s.active AND s.confirmed_flush_lsn IS NOT NULL \
+                        AND p.caught_up_at IS NOT NULL",
                     &[&self.slot],
                 )
                 .await
@@ -636,4 +647,15 @@ pub fn stack_command(args: &[&str]) {
         .status()
         .expect("scripts/stack");
     assert!(status.success(), "scripts/stack {args:?} failed");
+}
+
+/// The SQLSTATE of a failed statement, or "ok".
+pub fn sqlstate<T>(result: &Result<T, tokio_postgres::Error>) -> String {
+    match result {
+        Ok(_) => "ok".to_owned(),
+        Err(e) => e
+            .code()
+            .map(|c| c.code().to_owned())
+            .unwrap_or_else(|| format!("no sqlstate: {e}")),
+    }
 }

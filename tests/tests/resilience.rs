@@ -15,11 +15,22 @@ fn big_payload(bytes: usize) -> String {
     format!(r#"{{"blob": "{}"}}"#, "x".repeat(bytes))
 }
 
+/// A connection whose emit_event accepts payloads the broker will refuse:
+/// the extension's own limit (1 MB) keeps them out by default.
+async fn payload_limit_above_the_broker(db: &TestDb) -> tokio_postgres::Client {
+    let client = db.admin().await;
+    client
+        .batch_execute("SET pg_outbox.max_payload_bytes = 4000000")
+        .await
+        .expect("set limit");
+    client
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_event_halts_the_forwarder_and_names_the_event() {
     let db = TestDb::create("poison_halt").await;
     let topic = db.create_topic("doc", 1).await;
-    let client = db.admin().await;
+    let client = payload_limit_above_the_broker(&db).await;
     let (good, _) = emit(&client, "doc", "d-1", "Written", "{}").await;
     let (poison, _) = emit(&client, "doc", "d-1", "Written", &big_payload(2_000_000)).await;
 
@@ -53,21 +64,26 @@ async fn with_a_dead_letter_topic_poison_goes_there_and_the_rest_continues() {
         let forwarder = Forwarder::spawn(&db, &[args, &["--dead-letter-topic", &dlq]].concat());
         db.wait_slot_active(WAIT).await;
 
-        let client = db.admin().await;
+        let client = payload_limit_above_the_broker(&db).await;
         let (before, _) = emit(&client, "doc", "d-1", "Written", "{}").await;
         let (poison, _) = emit(&client, "doc", "d-1", "Written", &big_payload(2_000_000)).await;
         let (after, _) = emit(&client, "doc", "d-1", "Written", "{}").await;
-        let _ = client
+        // The API refuses such a topic; a superuser's direct insert stands in
+        // for a row the forwarder cannot route.
+        let unroutable: String = client
             .query_one(
-                "SELECT * FROM outbox.emit_event('bad topic!', 'x', 'Odd', '{}')",
+                "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload, topic) \
+                 VALUES (outbox.uuid_v7(), 'doc', 'd-2', 1, 'Odd', '{}', 'bad topic!') RETURNING event_id::text",
                 &[],
             )
-            .await;
-
+            .await
+            .expect("direct insert")
+            .get(0);
+        let (last, _) = emit(&client, "doc", "d-3", "Written", "{}").await;
         let mut reader = Reader::new(&db.stack, &[&topic]);
         reader
-            .read_until(WAIT, "the event after the poison", |r| {
-                r.iter().any(|r| r.event_id() == after)
+            .read_until(WAIT, "the events after the poison", |r| {
+                r.iter().any(|r| r.event_id() == after) && r.iter().any(|r| r.event_id() == last)
             })
             .await;
         let ids: Vec<&str> = reader.records.iter().map(|r| r.event_id()).collect();
@@ -75,10 +91,20 @@ async fn with_a_dead_letter_topic_poison_goes_there_and_the_rest_continues() {
         assert!(!ids.contains(&poison.as_str()));
 
         let mut dead = Reader::new(&db.stack, &[&dlq]);
-        dead.read_until(WAIT, "the dead-lettered event", |r| {
-            r.iter().any(|r| r.event_id() == poison)
+        dead.read_until(WAIT, "the dead-lettered events", |r| {
+            r.iter().any(|r| r.event_id() == poison) && r.iter().any(|r| r.event_id() == unroutable)
         })
         .await;
+        let odd = dead
+            .records
+            .iter()
+            .find(|r| r.event_id() == unroutable)
+            .expect("present");
+        assert!(
+            odd.header("dead_letter_reason")
+                .contains("not a valid Kafka topic name"),
+            "{odd:?}"
+        );
         let record = dead
             .records
             .iter()

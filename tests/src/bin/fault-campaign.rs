@@ -167,7 +167,11 @@ async fn main() -> ExitCode {
     println!(
         "fault campaign: {} faults, {} mode, seed {}",
         args.faults,
-        if args.exactly_once { "exactly-once" } else { "at-least-once" },
+        if args.exactly_once {
+            "exactly-once"
+        } else {
+            "at-least-once"
+        },
         args.seed
     );
 
@@ -195,8 +199,13 @@ async fn main() -> ExitCode {
     // it has seen each of them, then to the end of the topic.
     let target: Arc<Mutex<Option<HashSet<String>>>> = Arc::default();
     let consumer = {
-        let (stack, topic, count, records, target) =
-            (db.stack.clone(), topic.clone(), count.clone(), records.clone(), target.clone());
+        let (stack, topic, count, records, target) = (
+            db.stack.clone(),
+            topic.clone(),
+            count.clone(),
+            records.clone(),
+            target.clone(),
+        );
         tokio::spawn(async move {
             let mut reader = Reader::new(&stack, &[&topic]);
             let ids = loop {
@@ -212,7 +221,9 @@ async fn main() -> ExitCode {
                     ids.iter().all(|id| seen.contains(id.as_str()))
                 })
                 .await;
-            reader.read_to_end(&[&topic], Duration::from_secs(120)).await;
+            reader
+                .read_to_end(&[&topic], Duration::from_secs(120))
+                .await;
             *records.lock().unwrap_or_else(|e| e.into_inner()) = reader.records;
         })
     };
@@ -220,7 +231,12 @@ async fn main() -> ExitCode {
     // Peak retained WAL of the slot, sampled throughout.
     let peak_wal = Arc::new(AtomicUsize::new(0));
     let sampler = {
-        let (admin, slot, peak, reading) = (db.admin().await, db.slot.clone(), peak_wal.clone(), reading.clone());
+        let (admin, slot, peak, reading) = (
+            db.admin().await,
+            db.slot.clone(),
+            peak_wal.clone(),
+            reading.clone(),
+        );
         tokio::spawn(async move {
             while reading.load(Ordering::Relaxed) {
                 if let Ok(Some(row)) = admin
@@ -264,7 +280,11 @@ async fn main() -> ExitCode {
             Fault::Point(point) => {
                 forwarder.kill9().await;
                 let at = rng.random_range(1..=150).to_string();
-                let armed = Forwarder::spawn_with_env(&db, mode, &[("OUTBOX_FAULT", &format!("{point}:{at}"))]);
+                let armed = Forwarder::spawn_with_env(
+                    &db,
+                    mode,
+                    &[("OUTBOX_FAULT", &format!("{point}:{at}"))],
+                );
                 // Wait for the point to fire; if the stream never got that far, kill it.
                 let mut armed = armed;
                 let fired_by = Instant::now() + Duration::from_secs(5);
@@ -314,7 +334,10 @@ async fn main() -> ExitCode {
             }
         }
         if n % 10 == 0 {
-            println!("  {n} faults injected, {} records so far", count.load(Ordering::Relaxed));
+            println!(
+                "  {n} faults injected, {} records so far",
+                count.load(Ordering::Relaxed)
+            );
         }
     }
 
@@ -347,10 +370,19 @@ async fn main() -> ExitCode {
     println!("lost                 {}", v.lost);
     println!("duplicates           {}", v.duplicates);
     println!("order violations     {}", v.order_violations);
-    println!("phantoms             {phantoms} (of {} rolled-back events)", rolled_back.len());
+    println!(
+        "phantoms             {phantoms} (of {} rolled-back events)",
+        rolled_back.len()
+    );
     println!("max recovery         {:.1} s", max_recovery.as_secs_f64());
-    println!("peak retained WAL    {} kB", peak_wal.load(Ordering::Relaxed) >> 10);
-    println!("duration             {:.0} s", began.elapsed().as_secs_f64());
+    println!(
+        "peak retained WAL    {} kB",
+        peak_wal.load(Ordering::Relaxed) >> 10
+    );
+    println!(
+        "duration             {:.0} s",
+        began.elapsed().as_secs_f64()
+    );
 
     forwarder.kill9().await;
     db.drop().await;

@@ -1,0 +1,688 @@
+//! The extension's SQL API seen from outside, with several connections:
+//! validation, privileges, concurrency, the inbox, retention and status.
+//! Run again by scripts/test on an extension upgraded from 0.1.0.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use pg_outbox_tests::{connect, sqlstate, unique, with_database, Forwarder, Reader, TestDb};
+use rand::seq::SliceRandom;
+use tokio::sync::Barrier;
+use tokio_postgres::Client;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+async fn count(client: &Client, table: &str) -> i64 {
+    client
+        .query_one(&format!("SELECT count(*) FROM outbox.{table}"), &[])
+        .await
+        .expect("count")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_argument_gets_its_own_sqlstate_and_writes_nothing() {
+    let db = TestDb::create("validation").await;
+    let client = db.admin().await;
+    let long = |n: usize| format!("'{}'", "x".repeat(n));
+    let emit = |args: &str| format!("SELECT * FROM outbox.emit_event({args})");
+    let ok = "'order', 'o-1', 'Placed', '{}'";
+    let big_payload = format!("jsonb_build_object('blob', repeat('x', 1100000))");
+    let batch_of_10001 = "(SELECT jsonb_agg(jsonb_build_object('aggregate_type', 'a', 'aggregate_id', 'b', 'event_type', 'c', 'payload', 1)) FROM generate_series(1, 10001))";
+    let cases: Vec<(&str, String, &str)> = vec![
+        // emit_event: identifiers
+        ("aggregate_type NULL", emit("NULL, 'o-1', 'Placed', '{}'"), "PO001"),
+        ("aggregate_type empty", emit("'', 'o-1', 'Placed', '{}'"), "PO001"),
+        ("aggregate_type too long", emit(&format!("{}, 'o-1', 'Placed', '{{}}'", long(129))), "PO003"),
+        ("aggregate_type not topic-safe", emit("'my order', 'o-1', 'Placed', '{}'"), "PO007"),
+        ("aggregate_id NULL", emit("'order', NULL, 'Placed', '{}'"), "PO001"),
+        ("aggregate_id empty", emit("'order', '', 'Placed', '{}'"), "PO001"),
+        ("aggregate_id too long", emit(&format!("'order', {}, 'Placed', '{{}}'", long(513))), "PO003"),
+        ("event_type NULL", emit("'order', 'o-1', NULL, '{}'"), "PO001"),
+        ("event_type empty", emit("'order', 'o-1', '', '{}'"), "PO001"),
+        ("event_type too long", emit(&format!("'order', 'o-1', {}, '{{}}'", long(256))), "PO003"),
+        // payload
+        ("payload NULL", emit("'order', 'o-1', 'Placed', NULL"), "PO001"),
+        ("payload too large", emit(&format!("'order', 'o-1', 'Placed', {big_payload}")), "PO004"),
+        // headers
+        ("headers an array", emit(&format!("{ok}, headers => '[1]'")), "PO006"),
+        ("headers a string", emit(&format!("{ok}, headers => '\"h\"'")), "PO006"),
+        ("header value a number", emit(&format!("{ok}, headers => '{{\"a\": 1}}'")), "PO006"),
+        ("header name reserved", emit(&format!("{ok}, headers => '{{\"event_id\": \"x\"}}'")), "PO006"),
+        ("header name empty", emit(&format!("{ok}, headers => '{{\"\": \"x\"}}'")), "PO006"),
+        // other options
+        ("schema_version 0", emit(&format!("{ok}, schema_version => 0")), "PO007"),
+        ("schema_version NULL", emit(&format!("{ok}, schema_version => NULL")), "PO007"),
+        ("expected_seq negative", emit(&format!("{ok}, expected_seq => -1")), "PO007"),
+        ("expected_seq ahead", emit(&format!("{ok}, expected_seq => 5")), "PO101"),
+        ("idempotency_key empty", emit(&format!("{ok}, idempotency_key => ''")), "PO003"),
+        ("idempotency_key too long", emit(&format!("{ok}, idempotency_key => {}", long(256))), "PO003"),
+        ("topic with a space", emit(&format!("{ok}, topic => 'my topic'")), "PO005"),
+        ("topic too long", emit(&format!("{ok}, topic => {}", long(250))), "PO005"),
+        ("topic ..", emit(&format!("{ok}, topic => '..'")), "PO005"),
+        // emit_events
+        ("batch NULL", "SELECT * FROM outbox.emit_events(NULL)".into(), "PO008"),
+        ("batch an object", "SELECT * FROM outbox.emit_events('{}')".into(), "PO008"),
+        ("batch empty", "SELECT * FROM outbox.emit_events('[]')".into(), "PO008"),
+        ("batch element a number", "SELECT * FROM outbox.emit_events('[1]')".into(), "PO008"),
+        ("batch element without payload", r#"SELECT * FROM outbox.emit_events('[{"aggregate_type": "a", "aggregate_id": "b", "event_type": "c"}]')"#.into(), "PO008"),
+        ("batch element with a numeric type", r#"SELECT * FROM outbox.emit_events('[{"aggregate_type": 1, "aggregate_id": "b", "event_type": "c", "payload": 1}]')"#.into(), "PO008"),
+        ("batch element with a text schema_version", r#"SELECT * FROM outbox.emit_events('[{"aggregate_type": "a", "aggregate_id": "b", "event_type": "c", "payload": 1, "schema_version": "x"}]')"#.into(), "PO008"),
+        ("batch second element bad", r#"SELECT * FROM outbox.emit_events('[{"aggregate_type": "a", "aggregate_id": "b", "event_type": "c", "payload": 1}, {"aggregate_type": "a", "aggregate_id": "", "event_type": "c", "payload": 1}]')"#.into(), "PO001"),
+        ("batch too large", format!("SELECT * FROM outbox.emit_events({batch_of_10001})"), "PO008"),
+        // current_seq
+        ("current_seq NULL", "SELECT outbox.current_seq(NULL, 'x')".into(), "PO001"),
+        ("current_seq empty", "SELECT outbox.current_seq('order', '')".into(), "PO001"),
+        // inbox
+        ("inbox consumer NULL", "SELECT * FROM outbox.inbox_receive(NULL, outbox.uuid_v7())".into(), "PO001"),
+        ("inbox event NULL", "SELECT * FROM outbox.inbox_receive('billing', NULL)".into(), "PO001"),
+        ("inbox consumer unregistered", "SELECT * FROM outbox.inbox_receive('nobody', outbox.uuid_v7())".into(), "PO011"),
+        ("register consumer empty", "SELECT outbox.register_consumer('', 'postgres')".into(), "PO002"),
+        ("register consumer too long", format!("SELECT outbox.register_consumer({}, 'postgres')", long(256)), "PO002"),
+        ("register consumer NULL owner", "SELECT outbox.register_consumer('billing', NULL)".into(), "PO001"),
+        ("register consumer unknown owner", "SELECT outbox.register_consumer('billing', 'no_such_role_x')".into(), "42704"),
+        // retention and publication
+        ("prune NULL horizon", "SELECT outbox.prune(NULL)".into(), "PO007"),
+        ("prune negative horizon", "SELECT outbox.prune('-1 day')".into(), "PO007"),
+        ("prune zero rows", "SELECT outbox.prune('1 day', 0)".into(), "PO007"),
+        ("publication name empty", "SELECT outbox.ensure_publication('')".into(), "PO002"),
+        ("publication name upper case", "SELECT outbox.ensure_publication('Bad-Name')".into(), "PO002"),
+    ];
+    let mut wrong = Vec::new();
+    for (what, sql, expected) in &cases {
+        let got = sqlstate(&client.simple_query(sql).await);
+        if got != *expected {
+            wrong.push(format!("{what}: expected {expected}, got {got}"));
+        }
+    }
+    assert!(wrong.is_empty(), "wrong SQLSTATEs:\n{}", wrong.join("\n"));
+    for table in [
+        "events",
+        "aggregates",
+        "idempotency_keys",
+        "inbox",
+        "inbox_consumers",
+    ] {
+        assert_eq!(
+            count(&client, table).await,
+            0,
+            "a row was written to outbox.{table}"
+        );
+    }
+
+    // Every error says what to do.
+    let err = client
+        .simple_query(&emit("'order', '', 'Placed', '{}'"))
+        .await
+        .expect_err("refused");
+    let db_err = err.as_db_error().expect("a server error");
+    assert!(db_err.message().contains("aggregate_id"), "{db_err:?}");
+    assert!(db_err.hint().is_some_and(|h| !h.is_empty()), "{db_err:?}");
+    db.drop().await;
+}
+
+/// A login role of this test's own, member of `group`.
+async fn login_role(db: &TestDb, group: &str) -> (String, Client) {
+    let name = unique("role");
+    let admin = db.admin().await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {name} LOGIN PASSWORD 'pw' IN ROLE {group}"
+        ))
+        .await
+        .expect("create role");
+    let url = with_database(&db.stack.admin_url, &db.name).replacen(
+        "postgres:postgres@",
+        &format!("{name}:pw@"),
+        1,
+    );
+    (name, connect(&url).await)
+}
+
+async fn drop_roles(db: &TestDb, roles: &[&str]) {
+    let admin = connect(&db.stack.admin_url).await;
+    for role in roles {
+        let _ = admin
+            .batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_can_emit_but_never_touch_the_tables() {
+    let db = TestDb::create("privileges").await;
+    let (app, client) = login_role(&db, "outbox_writer").await;
+
+    let row = client
+        .query_one(
+            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'Placed', '{}')",
+            &[],
+        )
+        .await
+        .expect("the writer role may emit");
+    assert_eq!(row.get::<_, i64>(0), 1);
+    let denied = [
+        "INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type, payload) VALUES (gen_random_uuid(), 'order', 'o-1', 7, 'Forged', '{}')",
+        "UPDATE outbox.events SET payload = '{}'",
+        "DELETE FROM outbox.events",
+        "SELECT * FROM outbox.events",
+        "UPDATE outbox.aggregates SET last_seq = 0",
+        "INSERT INTO outbox.aggregates VALUES ('order', 'o-1', 0)",
+        "DELETE FROM outbox.aggregates",
+        "TRUNCATE outbox.events",
+        "SELECT outbox.record_relay_progress('s', '0/0')",
+        "SELECT outbox.forget_relay('s')",
+        "SELECT outbox.prune('0 s')",
+        "SELECT outbox.register_consumer('x', 'postgres')",
+        "SELECT * FROM outbox.inbox_receive('billing', gen_random_uuid())",
+        "SELECT * FROM outbox.inbox",
+        "SELECT outbox.check_event('a', 'b', 'c', '{}', NULL, 1, NULL)",
+    ];
+    for sql in denied {
+        assert_eq!(
+            sqlstate(&client.simple_query(sql).await),
+            "42501",
+            "{sql} was allowed"
+        );
+    }
+    // The sequence cannot be forged or reset: it moved only through emit_event.
+    let row = client
+        .query_one("SELECT outbox.current_seq('order', 'o-1')", &[])
+        .await
+        .expect("current_seq");
+    assert_eq!(row.get::<_, i64>(0), 1);
+
+    // Inbox: a consumer's rows are reachable only by members of its owner.
+    let (billing, billing_client) = login_role(&db, "outbox_consumer").await;
+    let (shipping, shipping_client) = login_role(&db, "outbox_consumer").await;
+    let admin = db.admin().await;
+    admin
+        .execute(
+            "SELECT outbox.register_consumer('billing', $1::text::regrole)",
+            &[&billing],
+        )
+        .await
+        .expect("register");
+    let event = "'0190a0b0-0000-7000-8000-000000000001'";
+    let own = billing_client
+        .query_one(
+            &format!("SELECT status FROM outbox.inbox_receive('billing', {event})"),
+            &[],
+        )
+        .await
+        .expect("own inbox");
+    assert_eq!(own.get::<_, String>(0), "new");
+    let other = shipping_client
+        .simple_query(&format!(
+            "SELECT status FROM outbox.inbox_receive('billing', {event})"
+        ))
+        .await;
+    assert_eq!(
+        sqlstate(&other),
+        "PO011",
+        "another consumer's inbox was reachable"
+    );
+
+    drop(client);
+    drop(billing_client);
+    drop(shipping_client);
+    db.drop().await;
+    drop_roles(&db_stack_only(), &[&app, &billing, &shipping]).await;
+}
+
+/// A handle to the stack alone, for cleanup after the test database is gone.
+fn db_stack_only() -> TestDb {
+    TestDb {
+        stack: pg_outbox_tests::Stack::from_env(),
+        name: "postgres".into(),
+        slot: String::new(),
+        topic_prefix: String::new(),
+    }
+}
+
+async fn sequences(client: &Client, aggregate_id: &str) -> Vec<i64> {
+    client
+        .query(
+            "SELECT aggregate_seq FROM outbox.events WHERE aggregate_id = $1 ORDER BY aggregate_seq",
+            &[&aggregate_id],
+        )
+        .await
+        .expect("read")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_writers_on_one_hot_aggregate_get_1_to_16000_without_gaps() {
+    let db = TestDb::create("hot").await;
+    let barrier = Arc::new(Barrier::new(16));
+    let mut writers = Vec::new();
+    for _ in 0..16 {
+        let client = db.admin().await;
+        let barrier = barrier.clone();
+        writers.push(tokio::spawn(async move {
+            let statement = client
+                .prepare("SELECT aggregate_seq FROM outbox.emit_event('account', 'hot', 'Credited', '{}')")
+                .await
+                .expect("prepare");
+            barrier.wait().await;
+            for _ in 0..1000 {
+                client.query_one(&statement, &[]).await.expect("emit");
+            }
+        }));
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let seqs = sequences(&db.admin().await, "hot").await;
+    assert_eq!(seqs, (1..=16_000).collect::<Vec<i64>>());
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_writers_on_distinct_aggregates_each_count_from_one() {
+    let db = TestDb::create("distinct").await;
+    let mut writers = Vec::new();
+    for w in 0..16 {
+        let client = db.admin().await;
+        writers.push(tokio::spawn(async move {
+            for _ in 0..300 {
+                client
+                    .query_one(
+                        "SELECT 1 FROM outbox.emit_event('account', $1, 'Credited', '{}')",
+                        &[&format!("acc-{w}")],
+                    )
+                    .await
+                    .expect("emit");
+            }
+        }));
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let client = db.admin().await;
+    for w in 0..16 {
+        assert_eq!(
+            sequences(&client, &format!("acc-{w}")).await,
+            (1..=300).collect::<Vec<i64>>()
+        );
+    }
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_batches_over_shared_aggregates_never_deadlock() {
+    let db = TestDb::create("batches").await;
+    let barrier = Arc::new(Barrier::new(8));
+    let mut writers = Vec::new();
+    for _ in 0..8 {
+        let mut client = db.admin().await;
+        let barrier = barrier.clone();
+        writers.push(tokio::spawn(async move {
+            barrier.wait().await;
+            for _ in 0..40 {
+                // The same five aggregates, each batch in another order, and
+                // two batches per transaction to hold the locks longer.
+                let tx = client.transaction().await.expect("begin");
+                for _ in 0..2 {
+                    let mut ids: Vec<usize> = (0..5).collect();
+                    ids.shuffle(&mut rand::rng());
+                    let batch: Vec<String> = ids
+                        .iter()
+                        .map(|i| format!(r#"{{"aggregate_type": "cart", "aggregate_id": "c-{i}", "event_type": "Touched", "payload": {{}}}}"#))
+                        .collect();
+                    tx.query(
+                        "SELECT * FROM outbox.emit_events($1::text::jsonb)",
+                        &[&format!("[{}]", batch.join(","))],
+                    )
+                    .await
+                    .expect("no deadlock");
+                }
+                tx.commit().await.expect("commit");
+            }
+        }));
+    }
+    for w in writers {
+        w.await.expect("writer");
+    }
+    let client = db.admin().await;
+    for i in 0..5 {
+        assert_eq!(
+            sequences(&client, &format!("c-{i}")).await,
+            (1..=640).collect::<Vec<i64>>()
+        );
+    }
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_numbers_each_aggregate_consecutively_in_the_given_order() {
+    let db = TestDb::create("batch_order").await;
+    let client = db.admin().await;
+    client
+        .query_one("SELECT outbox.emit_event('cart', 'b', 'First', '{}')", &[])
+        .await
+        .expect("emit");
+    let rows = client
+        .query(
+            r#"SELECT ordinal, aggregate_seq FROM outbox.emit_events('[
+                {"aggregate_type": "cart", "aggregate_id": "a", "event_type": "E", "payload": 1},
+                {"aggregate_type": "cart", "aggregate_id": "b", "event_type": "E", "payload": 2},
+                {"aggregate_type": "cart", "aggregate_id": "a", "event_type": "E", "payload": 3},
+                {"aggregate_type": "cart", "aggregate_id": "b", "event_type": "E", "payload": 4, "headers": {"k": "v"}, "topic": "carts.special", "schema_version": 2}
+            ]')"#,
+            &[],
+        )
+        .await
+        .expect("batch");
+    let got: Vec<(i32, i64)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert_eq!(got, vec![(1, 1), (2, 2), (3, 2), (4, 3)]);
+    let last = client
+        .query_one(
+            "SELECT payload::text, headers::text, topic, schema_version FROM outbox.events WHERE aggregate_id = 'b' AND aggregate_seq = 3",
+            &[],
+        )
+        .await
+        .expect("stored");
+    assert_eq!(last.get::<_, String>(0), "4");
+    assert_eq!(last.get::<_, String>(1), r#"{"k": "v"}"#);
+    assert_eq!(last.get::<_, String>(2), "carts.special");
+    assert_eq!(last.get::<_, i32>(3), 2);
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_retries_with_one_idempotency_key_give_one_event() {
+    let db = TestDb::create("idempotency").await;
+    let barrier = Arc::new(Barrier::new(16));
+    let mut callers = Vec::new();
+    for _ in 0..16 {
+        let mut client = db.admin().await;
+        let barrier = barrier.clone();
+        callers.push(tokio::spawn(async move {
+            barrier.wait().await;
+            let tx = client.transaction().await.expect("begin");
+            let row = tx
+                .query_one(
+                    "SELECT event_id::text, aggregate_seq, replayed FROM outbox.emit_event('payment', 'p-1', 'Captured', '{}', idempotency_key => 'request-42')",
+                    &[],
+                )
+                .await
+                .expect("emit");
+            // Hold the key a moment so the others really wait on it.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            tx.commit().await.expect("commit");
+            (row.get::<_, String>(0), row.get::<_, i64>(1), row.get::<_, bool>(2))
+        }));
+    }
+    let mut results = Vec::new();
+    for c in callers {
+        results.push(c.await.expect("caller"));
+    }
+    let ids: HashSet<&str> = results.iter().map(|r| r.0.as_str()).collect();
+    assert_eq!(ids.len(), 1, "every caller got the same event");
+    assert_eq!(
+        results.iter().filter(|r| !r.2).count(),
+        1,
+        "exactly one emitted"
+    );
+    assert!(results.iter().all(|r| r.1 == 1));
+    assert_eq!(count(&db.admin().await, "events").await, 1);
+
+    // A different key, or the same key on another aggregate type, emits again.
+    let client = db.admin().await;
+    let other: bool = client
+        .query_one("SELECT replayed FROM outbox.emit_event('refund', 'p-1', 'Issued', '{}', idempotency_key => 'request-42')", &[])
+        .await
+        .expect("emit")
+        .get(0);
+    assert!(!other);
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn expected_seq_lets_exactly_one_of_racing_writers_win_each_step() {
+    let db = TestDb::create("expected").await;
+    let mut writers = Vec::new();
+    for _ in 0..8 {
+        let client = db.admin().await;
+        writers.push(tokio::spawn(async move {
+            let (mut won, mut conflicts) = (0, 0);
+            while won < 25 {
+                let seen: i64 = client
+                    .query_one("SELECT outbox.current_seq('doc', 'd-1')", &[])
+                    .await
+                    .expect("read")
+                    .get(0);
+                let result = client
+                    .query_one(
+                        "SELECT aggregate_seq FROM outbox.emit_event('doc', 'd-1', 'Edited', '{}', expected_seq => $1)",
+                        &[&seen],
+                    )
+                    .await;
+                match sqlstate(&result).as_str() {
+                    "ok" => {
+                        assert_eq!(result.expect("ok").get::<_, i64>(0), seen + 1);
+                        won += 1;
+                    }
+                    "PO101" => conflicts += 1,
+                    other => panic!("unexpected {other}"),
+                }
+            }
+            conflicts
+        }));
+    }
+    let mut conflicts = 0;
+    for w in writers {
+        conflicts += w.await.expect("writer");
+    }
+    eprintln!("{conflicts} conflicts among 8 writers");
+    assert_eq!(
+        sequences(&db.admin().await, "d-1").await,
+        (1..=200).collect::<Vec<i64>>()
+    );
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_tells_new_duplicate_and_gap_inside_the_consumers_transaction() {
+    let db = TestDb::create("inbox").await;
+    let mut client = db.admin().await;
+    client
+        .execute(
+            "SELECT outbox.register_consumer('billing', 'postgres')",
+            &[],
+        )
+        .await
+        .expect("register");
+    let receive = "SELECT status, expected_seq FROM outbox.inbox_receive('billing', $1::text::uuid, 'order', 'o-1', $2)";
+    let id = |n: u8| format!("0190a0b0-0000-7000-8000-0000000000{n:02}");
+    let mut steps: HashMap<&str, (String, Option<i64>)> = HashMap::new();
+    for (name, event, seq) in [
+        ("first", 1, 1i64),
+        ("again", 1, 1),
+        ("second", 2, 2),
+        ("skip", 4, 4),
+    ] {
+        let row = client
+            .query_one(receive, &[&id(event), &seq])
+            .await
+            .expect("receive");
+        steps.insert(name, (row.get(0), row.get(1)));
+    }
+    assert_eq!(steps["first"], ("new".into(), None));
+    assert_eq!(steps["again"], ("duplicate".into(), None));
+    assert_eq!(steps["second"], ("new".into(), None));
+    assert_eq!(
+        steps["skip"],
+        ("gap".into(), Some(3)),
+        "sequence 3 is missing"
+    );
+
+    // A consumer that rolls back its transaction leaves no trace.
+    let tx = client.transaction().await.expect("begin");
+    let row = tx
+        .query_one(receive, &[&id(5), &5i64])
+        .await
+        .expect("receive");
+    assert_eq!(row.get::<_, String>(0), "new");
+    tx.rollback().await.expect("rollback");
+    let row = client
+        .query_one(receive, &[&id(5), &5i64])
+        .await
+        .expect("receive");
+    assert_eq!(row.get::<_, String>(0), "new");
+    db.drop().await;
+}
+
+/// Prunes until `n` events went, polling while the forwarder's progress
+/// reaches them; panics after `WAIT`.
+async fn prune_until(client: &Client, n: i64) {
+    let deadline = std::time::Instant::now() + WAIT;
+    let mut pruned = 0;
+    while pruned < n {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {pruned} of {n} events became prunable"
+        );
+        pruned += prune(client).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(pruned, n);
+}
+
+async fn prune(client: &Client) -> i64 {
+    client
+        .query_one("SELECT outbox.prune('0 seconds', 1000)", &[])
+        .await
+        .expect("prune")
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_prunes_only_what_the_forwarder_confirmed() {
+    let db = TestDb::create("retention").await;
+    let topic = db.create_topic("note", 1).await;
+    let client = db.admin().await;
+    let emit_five = |label: &'static str| {
+        let client = &client;
+        async move {
+            for i in 0..5 {
+                client
+                    .query_one(
+                        "SELECT 1 FROM outbox.emit_event('note', $1, 'Written', '{}')",
+                        &[&format!("{label}-{i}")],
+                    )
+                    .await
+                    .expect("emit");
+            }
+        }
+    };
+    emit_five("before").await;
+    assert_eq!(
+        prune(&client).await,
+        0,
+        "nothing is confirmed without a forwarder"
+    );
+
+    let forwarder = Forwarder::spawn(&db, &[]);
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "the first five", |r| r.len() >= 5)
+        .await;
+    prune_until(&client, 5).await;
+
+    // Written while the forwarder is down: never pruned before delivery.
+    forwarder.kill9().await;
+    db.wait_slot_inactive(WAIT).await;
+    emit_five("while_down").await;
+    assert_eq!(prune(&client).await, 0);
+    let status = client
+        .query_one("SELECT active, caught_up, unforwarded_events FROM outbox.status() WHERE slot_name = $1", &[&db.slot])
+        .await
+        .expect("status");
+    assert!(!status.get::<_, bool>(0));
+    assert!(status.get::<_, bool>(1));
+    assert!(
+        status.get::<_, i64>(2) >= 5,
+        "status counts the waiting events"
+    );
+    assert_eq!(count(&client, "events").await, 5);
+
+    let restarted = Forwarder::spawn(&db, &[]);
+    reader
+        .read_until(WAIT, "the five written while down", |r| r.len() >= 10)
+        .await;
+    prune_until(&client, 5).await;
+    assert_eq!(count(&client, "events").await, 0);
+    let status = client
+        .query_one("SELECT active, lag_bytes, unforwarded_events FROM outbox.status() WHERE slot_name = $1", &[&db.slot])
+        .await
+        .expect("status");
+    assert!(status.get::<_, bool>(0));
+    restarted.kill9().await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_extension_equals_a_fresh_one() {
+    // Both installs in databases of their own; their catalogs must match.
+    let stack = pg_outbox_tests::Stack::from_env();
+    let admin = connect(&stack.admin_url).await;
+    let (fresh, upgraded) = (unique("t_fresh"), unique("t_upgraded"));
+    for db in [&fresh, &upgraded] {
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .expect("create");
+    }
+    connect(&with_database(&stack.admin_url, &fresh))
+        .await
+        .batch_execute("CREATE EXTENSION pg_outbox")
+        .await
+        .expect("fresh install");
+    connect(&with_database(&stack.admin_url, &upgraded))
+        .await
+        .batch_execute(
+            "CREATE EXTENSION pg_outbox VERSION '0.1.0'; ALTER EXTENSION pg_outbox UPDATE",
+        )
+        .await
+        .expect("upgrade");
+    let describe = "
+        SELECT 'function ' || p.oid::regprocedure || ' ' || md5(p.prosrc) || ' ' || p.prosecdef || ' '
+               || p.provolatile::text || ' ' || coalesce(p.proconfig::text, '') || ' ' || coalesce(p.proacl::text, '')
+          FROM pg_proc p WHERE p.pronamespace = 'outbox'::regnamespace
+        UNION ALL
+        SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull
+          FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
+         WHERE c.relnamespace = 'outbox'::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
+        UNION ALL
+        SELECT 'relation ' || c.relname || ' ' || c.relkind::text || ' ' || coalesce(c.relacl::text, '') || ' ' || coalesce(c.reloptions::text, '')
+          FROM pg_class c WHERE c.relnamespace = 'outbox'::regnamespace
+        UNION ALL
+        SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid)
+          FROM pg_constraint WHERE connamespace = 'outbox'::regnamespace
+        ORDER BY 1";
+    let mut catalogs = Vec::new();
+    for db in [&fresh, &upgraded] {
+        let rows = connect(&with_database(&stack.admin_url, db))
+            .await
+            .query(describe, &[])
+            .await
+            .expect("describe");
+        catalogs.push(
+            rows.iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>(),
+        );
+    }
+    assert!(catalogs[0].len() > 20);
+    assert_eq!(catalogs[0], catalogs[1]);
+    for db in [&fresh, &upgraded] {
+        let _ = admin
+            .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
+            .await;
+    }
+}
