@@ -28,7 +28,7 @@ async fn every_bad_argument_gets_its_own_sqlstate_and_writes_nothing() {
     let long = |n: usize| format!("'{}'", "x".repeat(n));
     let emit = |args: &str| format!("SELECT * FROM outbox.emit_event({args})");
     let ok = "'order', 'o-1', 'Placed', '{}'";
-    let big_payload = format!("jsonb_build_object('blob', repeat('x', 1100000))");
+    let big_payload = "jsonb_build_object('blob', repeat('x', 1100000))";
     let batch_of_10001 = "(SELECT jsonb_agg(jsonb_build_object('aggregate_type', 'a', 'aggregate_id', 'b', 'event_type', 'c', 'payload', 1)) FROM generate_series(1, 10001))";
     let cases: Vec<(&str, String, &str)> = vec![
         // emit_event: identifiers
