@@ -78,6 +78,22 @@ impl Error {
         }
     }
 
+    /// A short name for the `kind` label of the errors metric.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::Config(_) => "config",
+            Error::Setup(_) => "setup",
+            Error::Postgres(_) => "postgres",
+            Error::Replication(_) => "replication",
+            Error::Decode(_) => "decode",
+            Error::Layout(_) => "layout",
+            Error::Kafka(_) => "kafka",
+            Error::SlotBusy(_) => "slot_busy",
+            Error::Fenced(_) => "fenced",
+            Error::Poison { .. } => "poison",
+        }
+    }
+
     /// Process exit code for this error: 2 configuration, 3 setup, 4 poison
     /// event, 5 fenced, 1 anything else.
     pub fn exit_code(&self) -> u8 {

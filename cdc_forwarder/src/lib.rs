@@ -7,6 +7,7 @@ pub mod error;
 pub mod event;
 pub mod faults;
 pub mod lsn;
+pub mod metrics;
 pub mod offsets;
 pub mod pgoutput;
 pub mod pipeline;

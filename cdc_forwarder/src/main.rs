@@ -3,6 +3,7 @@
 use std::process::ExitCode;
 
 use cdc_forwarder::config::Delivery;
+use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::{pipeline, Config, Error};
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
@@ -76,6 +77,13 @@ struct RunArgs {
     /// the reason in headers, instead of halting.
     #[arg(long, env = "OUTBOX_DEAD_LETTER_TOPIC")]
     dead_letter_topic: Option<String>,
+    /// Serve /metrics (Prometheus), /healthz and /readyz on this address,
+    /// for example 0.0.0.0:9187. Off when not set.
+    #[arg(long, env = "OUTBOX_METRICS_LISTEN")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// /readyz fails while the slot's lag is above this many bytes.
+    #[arg(long, env = "OUTBOX_READY_MAX_LAG_BYTES", default_value_t = 100 << 20)]
+    ready_max_lag_bytes: u64,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -119,8 +127,21 @@ fn try_main(cli: Cli) -> Result<(), Error> {
             config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
             config.validate()?;
             runtime.block_on(async {
+                let metrics = Metrics::new(args.ready_max_lag_bytes);
+                if let Some(listen) = args.metrics_listen {
+                    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
+                        Error::Config(format!("cannot serve metrics on {listen}: {e}"))
+                    })?;
+                    tracing::info!(listen = %listen, "serving /metrics, /healthz and /readyz");
+                    let metrics = metrics.clone();
+                    tokio::spawn(async move {
+                        if let Err(error) = metrics::serve(listener, metrics).await {
+                            tracing::error!(error = %error, "metrics endpoint stopped");
+                        }
+                    });
+                }
                 let shutdown = shutdown_signal();
-                pipeline::run(config, shutdown).await
+                pipeline::run(config, metrics, shutdown).await
             })
         }
     }

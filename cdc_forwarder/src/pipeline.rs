@@ -43,6 +43,7 @@
 //! catch-up is done; an unfinished one is redone on a fresh slot.
 
 use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
@@ -58,6 +59,7 @@ use crate::error::{Error, Result};
 use crate::event::{EventLayout, OutboxEvent};
 use crate::faults;
 use crate::lsn::Lsn;
+use crate::metrics::{Metrics, State};
 use crate::offsets::OffsetStore;
 use crate::pgoutput::Message;
 use crate::producer::{is_fenced, is_poison, Producer};
@@ -71,6 +73,15 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 /// How long reading the stored offset may take.
 const OFFSET_LOAD_TIMEOUT: Duration = Duration::from_secs(60);
+/// The PostgreSQL epoch (2000-01-01) in microseconds since the Unix epoch.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+
+fn unix_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
 /// A dead-lettered event keeps its payload up to this size.
 const DEAD_LETTER_MAX_PAYLOAD: usize = 512 * 1024;
 /// Rows fetched at a time during the catch-up.
@@ -78,7 +89,11 @@ const CATCH_UP_FETCH: i32 = 1_000;
 
 /// Runs the forwarder until `shutdown` turns true, reconnecting after
 /// transient failures with exponential backoff and jitter.
-pub async fn run(config: Config, mut shutdown: watch::Receiver<bool>) -> Result<()> {
+pub async fn run(
+    config: Config,
+    metrics: Arc<Metrics>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<()> {
     let router = Router::new(config.topic_template.clone());
     // Events Kafka refused at delivery: with a dead-letter topic, the next
     // session sends them there instead of halting again.
@@ -86,9 +101,19 @@ pub async fn run(config: Config, mut shutdown: watch::Receiver<bool>) -> Result<
     let mut failures: u32 = 0;
     loop {
         let started = Instant::now();
-        let outcome = Session::run(&config, &router, &mut poisoned, &mut shutdown).await;
+        let outcome = Session::run(
+            &config,
+            &router,
+            &mut poisoned,
+            metrics.clone(),
+            &mut shutdown,
+        )
+        .await;
         let error = match outcome {
-            Ok(()) => return Ok(()),
+            Ok(()) => {
+                metrics.set_state(State::Stopped);
+                return Ok(());
+            }
             Err(Error::Poison { event_id, reason }) if config.dead_letter_topic.is_some() => {
                 tracing::warn!(event_id = %event_id, reason = %reason, "kafka refused an event at delivery; replaying to dead-letter it");
                 poisoned.insert(event_id);
@@ -97,9 +122,19 @@ pub async fn run(config: Config, mut shutdown: watch::Receiver<bool>) -> Result<
             Err(error) if is_fenced(&error) => Error::Fenced(config.transactional_id()),
             Err(error) => error,
         };
+        metrics.error(error.kind());
         if !error.is_retryable() {
+            metrics.set_state(match error {
+                Error::Fenced(_) => State::Fenced,
+                _ => State::Stopped,
+            });
             return Err(error);
         }
+        metrics.retries.inc();
+        metrics.set_state(match error {
+            Error::SlotBusy(_) => State::Standby,
+            _ => State::Reconnecting,
+        });
         if started.elapsed() > Duration::from_secs(30) {
             failures = 0;
         }
@@ -149,6 +184,7 @@ struct Session<'a> {
     config: &'a Config,
     router: &'a Router,
     poisoned: &'a mut HashSet<String>,
+    metrics: Arc<Metrics>,
     sql: Client,
     producer: Producer,
     offsets: OffsetStore,
@@ -165,6 +201,7 @@ impl<'a> Session<'a> {
         config: &'a Config,
         router: &'a Router,
         poisoned: &'a mut HashSet<String>,
+        metrics: Arc<Metrics>,
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<()> {
         let sql = slot::connect(&config.postgres).await?;
@@ -180,6 +217,7 @@ impl<'a> Session<'a> {
             config,
             router,
             poisoned,
+            metrics,
             sql,
             producer,
             offsets,
@@ -212,6 +250,7 @@ impl<'a> Session<'a> {
                 tracing::info!(stored_offset = %stored, "resuming after the stored offset");
             }
         }
+        session.metrics.set_state(State::Streaming);
         tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, "streaming");
         let outcome = session.stream(&mut stream, skip_before, shutdown).await;
         if outcome.is_err() && session.kafka_txn.is_some() {
@@ -330,7 +369,8 @@ impl<'a> Session<'a> {
             }
         }
         tx.commit().await?;
-        self.tracker.commit(txn, created.consistent_point);
+        self.tracker.commit(txn, created.consistent_point, None);
+        self.metrics.caught_up_events.inc_by(count);
         match self.config.delivery {
             Delivery::ExactlyOnce => {
                 if let Some(kafka) = &mut self.kafka_txn {
@@ -392,6 +432,10 @@ impl<'a> Session<'a> {
                         slot::record_progress(&self.sql, &self.config.slot, self.confirmed, false).await?;
                         self.recorded = self.confirmed;
                     }
+                    if let Some((lag, retained)) = slot::wal_figures(&self.sql, &self.config.slot).await? {
+                        self.metrics.lag_bytes.set(lag);
+                        self.metrics.retained_wal_bytes.set(retained);
+                    }
                 }
                 event = stream.next(), if has_room => {
                     let Some(event) = event? else {
@@ -428,9 +472,9 @@ impl<'a> Session<'a> {
                             tracing::debug!(tag = %(tag as char), "ignoring pgoutput message");
                         }
                         StreamEvent::Change(Message::Begin { .. } | Message::Commit { .. }) => {}
-                        StreamEvent::Commit { end_lsn, .. } => {
+                        StreamEvent::Commit { end_lsn, commit_time_micros } => {
                             let Some(txn) = open.take() else { continue };
-                            self.tracker.commit(txn.id, end_lsn);
+                            self.tracker.commit(txn.id, end_lsn, Some(commit_time_micros));
                             if !exactly_once {
                                 self.release(stream);
                             } else if let Some(kafka) = &mut self.kafka_txn {
@@ -442,7 +486,7 @@ impl<'a> Session<'a> {
                                 }
                             } else {
                                 // Skipped or without events: nothing waits in Kafka.
-                                self.tracker.release();
+                                self.account();
                                 if txn.skip || end_lsn > self.confirmed {
                                     self.confirm(stream, end_lsn.max(self.confirmed));
                                 }
@@ -570,6 +614,7 @@ impl<'a> Session<'a> {
         };
         let report = self.producer.send(&event, &route).await?;
         self.dead_lettered += 1;
+        self.metrics.dead_lettered.inc();
         tracing::warn!(event_id = %event.event_id, reason = %reason, topic = %dead_letter_topic, dead_lettered = self.dead_lettered, "poison event sent to the dead-letter topic");
         self.track(txn, event.size(), report, event.event_id);
         Ok(())
@@ -599,7 +644,12 @@ impl<'a> Session<'a> {
             .producer
             .send_raw(&self.offsets.topic, &self.offsets.key, &offset)
             .await?;
+        let started = Instant::now();
         self.producer.commit_transaction().await?;
+        self.metrics
+            .kafka_commit_seconds
+            .observe(started.elapsed().as_secs_f64());
+        self.metrics.kafka_commits.inc();
         self.kafka_txn = None;
         faults::check("after_kafka_commit");
         // Every report has resolved with the commit; collect them.
@@ -607,7 +657,7 @@ impl<'a> Session<'a> {
         while !self.reports.is_empty() {
             self.next_report().await?;
         }
-        self.tracker.release();
+        self.account();
         if let Some(stream) = stream {
             self.confirm(stream, end);
         } else {
@@ -625,8 +675,25 @@ impl<'a> Session<'a> {
     }
 
     /// At-least-once: confirms the newest position whose events all arrived.
+    /// Drops the finished transactions from the tracker and counts them.
+    fn account(&mut self) -> Option<Lsn> {
+        let metrics = &self.metrics;
+        let now = unix_micros();
+        self.tracker.release_each(|commit_time, events, bytes| {
+            metrics.transactions.inc();
+            metrics.events.inc_by(events as u64);
+            metrics.bytes.inc_by(bytes as u64);
+            if let Some(committed) = commit_time {
+                let micros = now - (committed + PG_EPOCH_UNIX_MICROS);
+                metrics
+                    .end_to_end_seconds
+                    .observe((micros.max(0) as f64) / 1e6);
+            }
+        })
+    }
+
     fn release(&mut self, stream: &ReplicationStream) {
-        if let Some(lsn) = self.tracker.release() {
+        if let Some(lsn) = self.account() {
             faults::check("after_kafka_commit");
             self.confirm(stream, lsn);
         }
@@ -636,6 +703,9 @@ impl<'a> Session<'a> {
         if lsn > self.confirmed {
             self.confirmed = lsn;
             stream.confirm(lsn);
+            self.metrics
+                .confirmed_lsn
+                .set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
             faults::check("after_confirm");
             tracing::debug!(lsn = %lsn, "confirmed");
         }
@@ -686,6 +756,10 @@ pub struct Tracker {
 struct Txn {
     end_lsn: Option<Lsn>,
     outstanding: usize,
+    /// PostgreSQL commit time, microseconds since 2000-01-01 (none for a catch-up).
+    commit_time: Option<i64>,
+    events: usize,
+    bytes: usize,
 }
 
 impl Tracker {
@@ -701,7 +775,10 @@ impl Tracker {
     }
 
     pub fn produced(&mut self, id: u64, size: usize) {
-        self.txn(id).outstanding += 1;
+        let txn = self.txn(id);
+        txn.outstanding += 1;
+        txn.events += 1;
+        txn.bytes += size;
         self.events += 1;
         self.bytes += size;
     }
@@ -712,17 +789,26 @@ impl Tracker {
         self.bytes -= size;
     }
 
-    pub fn commit(&mut self, id: u64, end_lsn: Lsn) {
-        self.txn(id).end_lsn = Some(end_lsn);
+    pub fn commit(&mut self, id: u64, end_lsn: Lsn, commit_time: Option<i64>) {
+        let txn = self.txn(id);
+        txn.end_lsn = Some(end_lsn);
+        txn.commit_time = commit_time;
     }
 
     /// Drops the oldest transactions that are committed and fully delivered,
     /// and returns the commit end position of the last one dropped.
     pub fn release(&mut self) -> Option<Lsn> {
+        self.release_each(|_, _, _| {})
+    }
+
+    /// [`Self::release`], telling `each` the commit time, event count and
+    /// bytes of every transaction it drops.
+    pub fn release_each(&mut self, mut each: impl FnMut(Option<i64>, usize, usize)) -> Option<Lsn> {
         let mut released = None;
         while let Some(front) = self.txns.front() {
             match front.end_lsn {
                 Some(lsn) if front.outstanding == 0 => {
+                    each(front.commit_time, front.events, front.bytes);
                     released = Some(lsn);
                     self.txns.pop_front();
                     self.first += 1;
@@ -748,10 +834,10 @@ mod tests {
         let a = t.begin();
         t.produced(a, 10);
         t.produced(a, 10);
-        t.commit(a, Lsn(100));
+        t.commit(a, Lsn(100), None);
         let b = t.begin();
         t.produced(b, 10);
-        t.commit(b, Lsn(200));
+        t.commit(b, Lsn(200), None);
 
         // b's only report arrives first: nothing may be confirmed yet.
         t.delivered(b, 10);
@@ -771,10 +857,10 @@ mod tests {
         t.produced(a, 1);
         t.delivered(a, 1);
         assert_eq!(t.release(), None, "a has not committed");
-        t.commit(a, Lsn(7));
+        t.commit(a, Lsn(7), None);
         assert_eq!(t.release(), Some(Lsn(7)));
         let b = t.begin();
-        t.commit(b, Lsn(9));
+        t.commit(b, Lsn(9), None);
         assert_eq!(
             t.release(),
             Some(Lsn(9)),

@@ -173,3 +173,17 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
         .await?;
     Ok(())
 }
+
+/// The slot's lag (server position minus confirmed position) and retained
+/// WAL (server position minus restart_lsn), in bytes.
+pub async fn wal_figures(client: &Client, slot: &str) -> Result<Option<(i64, i64)>> {
+    let row = client
+        .query_opt(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, \
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint \
+               FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.and_then(|r| Some((r.get::<_, Option<i64>>(0)?, r.get::<_, Option<i64>>(1)?))))
+}

@@ -659,3 +659,49 @@ pub fn sqlstate<T>(result: &Result<T, tokio_postgres::Error>) -> String {
             .unwrap_or_else(|| format!("no sqlstate: {e}")),
     }
 }
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// GETs `path` from 127.0.0.1:`port`; returns the status code and body.
+pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    let request = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((status, body.to_owned()))
+}
+
+/// Parses a Prometheus/OpenMetrics text exposition into sample name (with
+/// labels) and value, checking that every line is a comment or a sample.
+pub fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
+    let mut samples = BTreeMap::new();
+    for line in text.lines() {
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let (name, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("not a sample line: {line:?}"));
+        let value: f64 = value
+            .parse()
+            .unwrap_or_else(|_| panic!("not a number in {line:?}"));
+        samples.insert(name.to_owned(), value);
+    }
+    assert!(
+        text.trim_end().ends_with("# EOF"),
+        "exposition does not end with # EOF"
+    );
+    samples
+}

@@ -3,7 +3,10 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use pg_outbox_tests::{committed_events, emit, Forwarder, Reader, TestDb};
+use pg_outbox_tests::{
+    committed_events, emit, free_port, http_get, parse_metrics, wait_until, Forwarder, Reader,
+    TestDb,
+};
 use rand::seq::SliceRandom;
 use rand::Rng;
 
@@ -13,7 +16,9 @@ const WAIT: Duration = Duration::from_secs(90);
 async fn concurrent_writers_arrive_complete_and_in_aggregate_order() {
     let db = TestDb::create("order").await;
     let topic = db.create_topic("account", 3).await;
-    let forwarder = Forwarder::spawn(&db, &[]);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let forwarder = Forwarder::spawn(&db, &["--metrics-listen", &listen]);
     db.wait_slot_active(WAIT).await;
 
     // 4 connections x 250 events over 10 aggregates, in transactions of 1 to
@@ -95,6 +100,29 @@ async fn concurrent_writers_arrive_complete_and_in_aggregate_order() {
             "{key}: offsets out of sequence order or gaps"
         );
     }
+
+    // The metrics, scraped and parsed during the run, count what was delivered.
+    let scrape = || async {
+        http_get(port, "/metrics")
+            .await
+            .map(|(_, body)| parse_metrics(&body))
+            .unwrap_or_default()
+    };
+    wait_until(WAIT, "the metrics to count 1000 events", || async {
+        scrape().await.get("outbox_events_forwarded_total") == Some(&1000.0)
+    })
+    .await;
+    let samples = scrape().await;
+    assert!(samples["outbox_transactions_forwarded_total"] >= 1.0);
+    assert!(samples["outbox_bytes_forwarded_total"] > 0.0);
+    assert_eq!(
+        samples["outbox_end_to_end_seconds_count"],
+        samples["outbox_transactions_forwarded_total"]
+    );
+    assert_eq!(samples["outbox_state"], 1.0, "streaming");
+    assert!(samples["outbox_confirmed_lsn"] > 0.0);
+    assert_eq!(http_get(port, "/healthz").await.map(|r| r.0), Some(200));
+    assert_eq!(http_get(port, "/readyz").await.map(|r| r.0), Some(200));
 
     forwarder.kill9().await;
     db.drop().await;

@@ -167,6 +167,7 @@ async fn an_idle_outbox_does_not_pin_wal_while_the_database_writes() {
         .expect("lsn")
         .get(0);
     let (mut peak_retained, mut peak_confirmed_lag) = (0, 0);
+    let mut confirmed_positions = std::collections::HashSet::new();
     for _ in 0..110 {
         client
             .batch_execute(
@@ -178,6 +179,15 @@ async fn an_idle_outbox_does_not_pin_wal_while_the_database_writes() {
         let (retained, lag) = slot_lag(&client, &db.slot).await;
         peak_retained = peak_retained.max(retained);
         peak_confirmed_lag = peak_confirmed_lag.max(lag);
+        let confirmed: String = client
+            .query_one(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .expect("confirmed")
+            .get(0);
+        confirmed_positions.insert(confirmed);
     }
     let written: i64 = client
         .query_one(

@@ -1,0 +1,255 @@
+//! Prometheus metrics and the health state, shared by the pipeline and the
+//! HTTP endpoints (`/metrics`, `/healthz`, `/readyz`).
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+
+use prometheus_client::encoding::{text::encode, EncodeLabelSet};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Label of `outbox_errors_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorKind {
+    pub kind: String,
+}
+
+/// What the instance is doing, for `/readyz` and the `outbox_state` gauge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum State {
+    Starting = 0,
+    Streaming = 1,
+    Standby = 2,
+    Reconnecting = 3,
+    Fenced = 4,
+    Stopped = 5,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub events: Counter,
+    pub bytes: Counter,
+    pub transactions: Counter,
+    pub kafka_commits: Counter,
+    pub kafka_commit_seconds: Histogram,
+    pub end_to_end_seconds: Histogram,
+    pub lag_bytes: Gauge,
+    pub retained_wal_bytes: Gauge,
+    pub confirmed_lsn: Gauge,
+    pub retries: Counter,
+    pub errors: Family<ErrorKind, Counter>,
+    pub dead_lettered: Counter,
+    pub caught_up_events: Counter,
+    state_gauge: Gauge,
+    state: AtomicI64,
+    /// `/readyz` fails while the lag is above this.
+    ready_max_lag_bytes: i64,
+    alive: AtomicBool,
+}
+
+impl Metrics {
+    pub fn new(ready_max_lag_bytes: u64) -> Arc<Self> {
+        let mut registry = Registry::with_prefix("outbox");
+        let events = Counter::default();
+        let bytes = Counter::default();
+        let transactions = Counter::default();
+        let kafka_commits = Counter::default();
+        let kafka_commit_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 14));
+        let end_to_end_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let lag_bytes = Gauge::default();
+        let retained_wal_bytes = Gauge::default();
+        let confirmed_lsn = Gauge::default();
+        let retries = Counter::default();
+        let errors = Family::<ErrorKind, Counter>::default();
+        let dead_lettered = Counter::default();
+        let caught_up_events = Counter::default();
+        let state_gauge = Gauge::default();
+        registry.register(
+            "events_forwarded",
+            "Events Kafka acknowledged",
+            events.clone(),
+        );
+        registry.register(
+            "bytes_forwarded",
+            "Payload bytes Kafka acknowledged",
+            bytes.clone(),
+        );
+        registry.register(
+            "transactions_forwarded",
+            "PostgreSQL transactions confirmed to the slot",
+            transactions.clone(),
+        );
+        registry.register(
+            "kafka_commits",
+            "Kafka transactions committed (exactly-once mode)",
+            kafka_commits.clone(),
+        );
+        registry.register(
+            "kafka_commit_seconds",
+            "Time of one Kafka transaction commit",
+            kafka_commit_seconds.clone(),
+        );
+        registry.register(
+            "end_to_end_seconds",
+            "From the PostgreSQL commit to Kafka's acknowledgement, per transaction",
+            end_to_end_seconds.clone(),
+        );
+        registry.register(
+            "replication_lag_bytes",
+            "WAL between the server's position and the slot's confirmed position",
+            lag_bytes.clone(),
+        );
+        registry.register(
+            "retained_wal_bytes",
+            "WAL the slot holds back (from its restart_lsn)",
+            retained_wal_bytes.clone(),
+        );
+        registry.register(
+            "confirmed_lsn",
+            "Last position confirmed to the slot, as a number",
+            confirmed_lsn.clone(),
+        );
+        registry.register(
+            "retries",
+            "Sessions restarted after a transient failure",
+            retries.clone(),
+        );
+        registry.register("errors", "Errors by kind", errors.clone());
+        registry.register(
+            "dead_lettered_events",
+            "Poison events sent to the dead-letter topic",
+            dead_lettered.clone(),
+        );
+        registry.register(
+            "catch_up_events",
+            "Events delivered by first-start catch-ups",
+            caught_up_events.clone(),
+        );
+        registry.register(
+            "state",
+            "0 starting, 1 streaming, 2 standby, 3 reconnecting, 4 fenced, 5 stopped",
+            state_gauge.clone(),
+        );
+        Arc::new(Metrics {
+            registry,
+            events,
+            bytes,
+            transactions,
+            kafka_commits,
+            kafka_commit_seconds,
+            end_to_end_seconds,
+            lag_bytes,
+            retained_wal_bytes,
+            confirmed_lsn,
+            retries,
+            errors,
+            dead_lettered,
+            caught_up_events,
+            state_gauge,
+            state: AtomicI64::new(State::Starting as i64),
+            ready_max_lag_bytes: i64::try_from(ready_max_lag_bytes).unwrap_or(i64::MAX),
+            alive: AtomicBool::new(true),
+        })
+    }
+
+    pub fn set_state(&self, state: State) {
+        self.state.store(state as i64, Ordering::Relaxed);
+        self.state_gauge.set(state as i64);
+    }
+
+    pub fn state(&self) -> i64 {
+        self.state.load(Ordering::Relaxed)
+    }
+
+    pub fn error(&self, kind: &str) {
+        self.errors
+            .get_or_create(&ErrorKind {
+                kind: kind.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Streaming, and the slot's lag under the threshold.
+    pub fn is_ready(&self) -> bool {
+        self.state() == State::Streaming as i64 && self.lag_bytes.get() <= self.ready_max_lag_bytes
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Relaxed)
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
+        out
+    }
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listener` until the process ends.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+) -> std::io::Result<()> {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get({
+                let m = metrics.clone();
+                move || async move {
+                    (
+                        [(
+                            "content-type",
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )],
+                        m.render(),
+                    )
+                }
+            }),
+        )
+        .route(
+            "/healthz",
+            get({
+                let m = metrics.clone();
+                move || async move {
+                    if m.is_alive() {
+                        (StatusCode::OK, "alive\n")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "stopping\n")
+                    }
+                }
+            }),
+        )
+        .route(
+            "/readyz",
+            get({
+                let m = metrics.clone();
+                move || async move {
+                    let state = match m.state() {
+                        1 => "streaming",
+                        2 => "standby",
+                        3 => "reconnecting",
+                        4 => "fenced",
+                        5 => "stopped",
+                        _ => "starting",
+                    };
+                    if m.is_ready() {
+                        (StatusCode::OK, format!("ready: {state}\n"))
+                    } else {
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("not ready: {state}, lag {} bytes\n", m.lag_bytes.get()),
+                        )
+                    }
+                }
+            }),
+        );
+    axum::serve(listener, app).await
+}
