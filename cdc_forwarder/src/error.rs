@@ -15,7 +15,7 @@ pub enum Error {
     #[error("{0}")]
     Setup(String),
 
-    #[error("postgres: {0}")]
+    #[error("postgres: {}", describe_postgres(.0))]
     Postgres(#[from] tokio_postgres::Error),
 
     #[error("replication stream: {0}")]
@@ -108,3 +108,15 @@ impl Error {
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A PostgreSQL error in one line: the server's message and SQLSTATE, or the
+/// client's error and its cause (tokio-postgres alone says only "db error").
+pub fn describe_postgres(error: &tokio_postgres::Error) -> String {
+    if let Some(db) = error.as_db_error() {
+        return format!("{} (SQLSTATE {})", db.message(), db.code().code());
+    }
+    match std::error::Error::source(error) {
+        Some(cause) => format!("{error}: {cause}"),
+        None => error.to_string(),
+    }
+}

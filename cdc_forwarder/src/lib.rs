@@ -2,6 +2,7 @@
 //! replication slot (pgoutput) into Kafka, and confirms a position to the slot
 //! only after Kafka acknowledged every event up to it.
 
+pub mod check;
 pub mod config;
 pub mod error;
 pub mod event;
@@ -15,6 +16,7 @@ pub mod producer;
 pub mod replication;
 pub mod routing;
 pub mod slot;
+pub mod status;
 
 pub use config::Config;
 pub use error::{Error, Result};

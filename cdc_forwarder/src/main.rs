@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use cdc_forwarder::config::Delivery;
 use cdc_forwarder::metrics::{self, Metrics};
-use cdc_forwarder::{pipeline, Config, Error};
+use cdc_forwarder::{check, pipeline, slot, status, Config, Error};
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
 
@@ -32,6 +32,38 @@ enum LogFormat {
 enum Command {
     /// Stream events from the replication slot into Kafka until SIGTERM or SIGINT.
     Run(RunArgs),
+    /// Check that PostgreSQL and Kafka are ready for `run`: one line per check
+    /// with a fix hint; exits 3 when any fails.
+    Check(RunArgs),
+    /// Show the forwarder slots (active, lag, retained WAL, events not yet
+    /// forwarded) and, in exactly-once mode, the offset stored in Kafka.
+    Status {
+        #[command(flatten)]
+        args: RunArgs,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create or drop the replication slot.
+    Slot {
+        #[arg(value_enum)]
+        action: Action,
+        #[command(flatten)]
+        args: RunArgs,
+    },
+    /// Create or drop the publication on outbox.events.
+    Publication {
+        #[arg(value_enum)]
+        action: Action,
+        #[command(flatten)]
+        args: RunArgs,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Action {
+    Create,
+    Drop,
 }
 
 #[derive(clap::Args)]
@@ -98,7 +130,6 @@ fn main() -> ExitCode {
     match try_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!(error = %error, "outbox-forwarder stopped");
             eprintln!("outbox-forwarder: {error}");
             ExitCode::from(error.exit_code())
         }
@@ -112,20 +143,7 @@ fn try_main(cli: Cli) -> Result<(), Error> {
         .map_err(|e| Error::Config(format!("cannot start the async runtime: {e}")))?;
     match cli.command {
         Command::Run(args) => {
-            let mut config = Config::new(&args.postgres_url, &args.kafka_bootstrap)?;
-            config.slot = args.slot;
-            config.publication = args.publication;
-            config.topic_template = args.topic_template;
-            config.create_missing = !args.no_create;
-            config.delivery = match args.delivery {
-                DeliveryArg::AtLeastOnce => Delivery::AtLeastOnce,
-                DeliveryArg::ExactlyOnce => Delivery::ExactlyOnce,
-            };
-            config.offsets_topic = args.offsets_topic;
-            config.dead_letter_topic = args.dead_letter_topic;
-            config.batch_max_events = args.batch_max_events;
-            config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
-            config.validate()?;
+            let config = config_from(&args)?;
             runtime.block_on(async {
                 let metrics = Metrics::new(args.ready_max_lag_bytes);
                 if let Some(listen) = args.metrics_listen {
@@ -144,7 +162,97 @@ fn try_main(cli: Cli) -> Result<(), Error> {
                 pipeline::run(config, metrics, shutdown).await
             })
         }
+        Command::Check(args) => {
+            let config = config_from(&args)?;
+            let checks = runtime.block_on(check::run(&config));
+            for line in &checks {
+                println!("{line}");
+            }
+            if checks.iter().all(|c| c.ok) {
+                Ok(())
+            } else {
+                Err(Error::Setup(format!(
+                    "{} of {} checks failed",
+                    checks.iter().filter(|c| !c.ok).count(),
+                    checks.len()
+                )))
+            }
+        }
+        Command::Status { args, json } => {
+            let config = config_from(&args)?;
+            let status = runtime.block_on(status::collect(&config))?;
+            if json {
+                println!("{}", status.to_json());
+            } else {
+                print!("{}", status.to_table());
+            }
+            Ok(())
+        }
+        Command::Slot { action, args } => {
+            let config = config_from(&args)?;
+            runtime.block_on(async {
+                let client = slot::connect(&config.postgres).await?;
+                match action {
+                    Action::Create => slot::create_slot(&client, &config.slot).await?,
+                    Action::Drop => slot::drop_slot(&client, &config.slot).await?,
+                }
+                println!(
+                    "slot {}: {}",
+                    config.slot,
+                    match action {
+                        Action::Create => "created",
+                        Action::Drop => "dropped",
+                    }
+                );
+                Ok(())
+            })
+        }
+        Command::Publication { action, args } => {
+            let config = config_from(&args)?;
+            runtime.block_on(async {
+                let client = slot::connect(&config.postgres).await?;
+                match action {
+                    Action::Create => {
+                        client
+                            .execute(
+                                "SELECT outbox.ensure_publication($1)",
+                                &[&config.publication],
+                            )
+                            .await?;
+                    }
+                    Action::Drop => slot::drop_publication(&client, &config.publication).await?,
+                }
+                println!(
+                    "publication {}: {}",
+                    config.publication,
+                    match action {
+                        Action::Create => "created",
+                        Action::Drop => "dropped",
+                    }
+                );
+                Ok(())
+            })
+        }
     }
+}
+
+/// The one place where the command line becomes a configuration.
+fn config_from(args: &RunArgs) -> Result<Config, Error> {
+    let mut config = Config::new(&args.postgres_url, &args.kafka_bootstrap)?;
+    config.slot = args.slot.clone();
+    config.publication = args.publication.clone();
+    config.topic_template = args.topic_template.clone();
+    config.create_missing = !args.no_create;
+    config.delivery = match args.delivery {
+        DeliveryArg::AtLeastOnce => Delivery::AtLeastOnce,
+        DeliveryArg::ExactlyOnce => Delivery::ExactlyOnce,
+    };
+    config.offsets_topic = args.offsets_topic.clone();
+    config.dead_letter_topic = args.dead_letter_topic.clone();
+    config.batch_max_events = args.batch_max_events;
+    config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
+    config.validate()?;
+    Ok(config)
 }
 
 /// Turns the first SIGTERM or SIGINT into a graceful shutdown; a second one

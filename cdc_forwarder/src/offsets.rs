@@ -22,8 +22,9 @@
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::ClientContext;
 use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::types::RDKafkaErrorCode;
@@ -31,6 +32,20 @@ use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
+
+/// Client context that does not log the end-of-partition events the reader
+/// asks for: they are how it knows it has read everything.
+struct QuietEof;
+
+impl ClientContext for QuietEof {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !matches!(error, KafkaError::PartitionEOF(_)) {
+            tracing::warn!(error = %error, reason, "kafka client error while reading offsets");
+        }
+    }
+}
+
+impl ConsumerContext for QuietEof {}
 
 /// Where a forwarder's offsets live and under which key.
 #[derive(Debug, Clone)]
@@ -97,8 +112,10 @@ impl OffsetStore {
                 .set("isolation.level", isolation)
                 .clone()
         };
-        let committed: BaseConsumer = config("read_committed").create()?;
-        let raw: BaseConsumer = config("read_uncommitted").create()?;
+        let committed: BaseConsumer<QuietEof> =
+            config("read_committed").create_with_context(QuietEof)?;
+        let raw: BaseConsumer<QuietEof> =
+            config("read_uncommitted").create_with_context(QuietEof)?;
 
         let metadata = raw.fetch_metadata(Some(&self.topic), Duration::from_secs(10))?;
         let partitions: Vec<i32> = metadata

@@ -123,6 +123,12 @@ pub async fn run(
             Err(error) => error,
         };
         metrics.error(error.kind());
+        if *shutdown.borrow() {
+            // Shutting down: report, do not reconnect.
+            tracing::warn!(error = %error, "error while shutting down");
+            metrics.set_state(State::Stopped);
+            return Ok(());
+        }
         if !error.is_retryable() {
             metrics.set_state(match error {
                 Error::Fenced(_) => State::Fenced,
@@ -405,7 +411,16 @@ impl<'a> Session<'a> {
         let mut layout: Option<EventLayout> = None;
         let mut open: Option<OpenTxn> = None;
         let mut progress_tick = tokio::time::interval(PROGRESS_INTERVAL);
+        // On shutdown, the transaction being read is read to its commit (for
+        // at most DRAIN_TIMEOUT), so that what was sent of it is confirmed and
+        // not sent again.
+        let mut stopping: Option<Instant> = None;
         loop {
+            if let Some(since) = stopping {
+                if open.is_none() || since.elapsed() > DRAIN_TIMEOUT {
+                    break;
+                }
+            }
             let has_room = self.tracker.events < self.config.max_in_flight_events
                 && self.tracker.bytes < self.config.max_in_flight_bytes;
             let batch_due = match (&self.kafka_txn, &open) {
@@ -416,7 +431,9 @@ impl<'a> Session<'a> {
             };
             tokio::select! {
                 biased;
-                _ = shutdown.changed() => break,
+                _ = shutdown.changed(), if stopping.is_none() => {
+                    stopping = Some(Instant::now());
+                }
                 Some((txn, size, result)) = self.reports.next(), if !self.reports.is_empty() => {
                     result?;
                     self.tracker.delivered(txn, size);

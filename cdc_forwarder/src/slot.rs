@@ -101,6 +101,20 @@ pub async fn confirmed_flush(client: &Client, slot: &str) -> Result<Option<Lsn>>
 /// the stream closed so the last acknowledged position is not left unsent.
 /// Never moves it backward.
 pub async fn advance(client: &Client, slot: &str, lsn: Lsn) -> Result<()> {
+    // The server releases the slot a moment after the stream closed.
+    for _ in 0..100 {
+        let active: Option<bool> = client
+            .query_opt(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&slot],
+            )
+            .await?
+            .map(|r| r.get(0));
+        if active != Some(true) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     match confirmed_flush(client, slot).await? {
         Some(current) if current < lsn => {
             client
@@ -186,4 +200,23 @@ pub async fn wal_figures(client: &Client, slot: &str) -> Result<Option<(i64, i64
         )
         .await?;
     Ok(row.and_then(|r| Some((r.get::<_, Option<i64>>(0)?, r.get::<_, Option<i64>>(1)?))))
+}
+
+/// Creates the slot without a snapshot. The forwarder's first start then
+/// recreates it with one, to deliver what was committed before.
+pub async fn create_slot(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&slot],
+        )
+        .await?;
+    Ok(())
+}
+
+pub async fn drop_publication(client: &Client, name: &str) -> Result<()> {
+    client
+        .execute("SELECT outbox.drop_publication($1)", &[&name])
+        .await?;
+    Ok(())
 }

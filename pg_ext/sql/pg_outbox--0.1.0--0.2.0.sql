@@ -544,6 +544,28 @@ COMMENT ON FUNCTION outbox.status() IS
     'Per forwarder slot: active, caught up, lag and retained WAL in bytes, events not yet forwarded and the age of the oldest.';
 
 ------------------------------------------------------------------------------
+-- Publication management for the forwarder's role, which does not own the table
+
+CREATE FUNCTION outbox.drop_publication(name text) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
+        RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
+            USING ERRCODE = 'PO002', HINT = 'Use 1 to 63 characters of a-z, 0-9 and _.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_publication p
+                JOIN pg_catalog.pg_publication_rel r ON r.prpubid = p.oid
+               WHERE p.pubname = name AND r.prrelid = 'outbox.events'::regclass) THEN
+        EXECUTE format('DROP PUBLICATION %I', name);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.drop_publication(text) IS
+    'Drops a publication on outbox.events (and no other), for outbox-forwarder publication drop.';
+
+------------------------------------------------------------------------------
 -- Privileges: applications reach the tables only through these functions.
 
 REVOKE ALL ON FUNCTION outbox.check_event(text, text, text, jsonb, jsonb, integer, text) FROM PUBLIC;
@@ -554,9 +576,11 @@ REVOKE ALL ON FUNCTION outbox.register_consumer(text, regrole) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.prune(interval, integer) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.status() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.drop_publication(text) FROM PUBLIC;
 
 GRANT EXECUTE ON FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text) TO outbox_writer;
 GRANT EXECUTE ON FUNCTION outbox.emit_events(jsonb) TO outbox_writer;
 GRANT EXECUTE ON FUNCTION outbox.current_seq(text, text) TO outbox_writer;
 GRANT EXECUTE ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) TO outbox_consumer;
 GRANT EXECUTE ON FUNCTION outbox.status() TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.drop_publication(text) TO outbox_relay;

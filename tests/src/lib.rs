@@ -705,3 +705,17 @@ pub fn parse_metrics(text: &str) -> BTreeMap<String, f64> {
     );
     samples
 }
+
+/// Runs `outbox-forwarder` with arguments to completion: exit code, stdout, stderr.
+pub async fn forwarder_command(args: &[&str]) -> (i32, String, String) {
+    let output = Command::new(forwarder_bin())
+        .args(args)
+        .output()
+        .await
+        .expect("run outbox-forwarder");
+    (
+        output.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}

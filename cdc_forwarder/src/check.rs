@@ -1,0 +1,208 @@
+//! `outbox-forwarder check`: is everything in place for `run`? One line per
+//! check, with a fix hint when it fails. Never prints a password.
+
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::ClientConfig;
+
+use crate::config::Config;
+use crate::slot;
+
+/// The outcome of one check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Check {
+    pub name: &'static str,
+    pub ok: bool,
+    /// What was found, or what to do.
+    pub detail: String,
+}
+
+impl Check {
+    fn ok(name: &'static str, detail: impl Into<String>) -> Check {
+        Check {
+            name,
+            ok: true,
+            detail: detail.into(),
+        }
+    }
+    fn fail(name: &'static str, detail: impl Into<String>) -> Check {
+        Check {
+            name,
+            ok: false,
+            detail: detail.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Check {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mark = if self.ok { "ok  " } else { "FAIL" };
+        write!(f, "{mark}  {:<12} {}", self.name, self.detail)
+    }
+}
+
+/// Runs every check; later PostgreSQL checks are skipped when it is unreachable.
+pub async fn run(config: &Config) -> Vec<Check> {
+    let mut checks = postgres(config).await;
+    checks.push(kafka(config).await);
+    checks
+}
+
+async fn postgres(config: &Config) -> Vec<Check> {
+    let target = config.postgres.redacted();
+    let client = match tokio::time::timeout(
+        Duration::from_secs(10),
+        slot::connect(&config.postgres),
+    )
+    .await
+    {
+        Ok(Ok(client)) => client,
+        Ok(Err(e)) => {
+            return vec![Check::fail(
+                "postgres",
+                format!(
+                    "cannot connect to {target}: {e}; check the URL, the password and pg_hba.conf"
+                ),
+            )]
+        }
+        Err(_) => {
+            return vec![Check::fail(
+                "postgres",
+                format!("no answer from {target} within 10 s; check host, port and firewall"),
+            )]
+        }
+    };
+    let mut checks = vec![Check::ok("postgres", format!("connected to {target}"))];
+    let one = |sql: &'static str| {
+        let client = &client;
+        async move { client.query_one(sql, &[]).await }
+    };
+
+    checks.push(match one("SHOW wal_level").await {
+        Ok(row) if row.get::<_, String>(0) == "logical" => Check::ok("wal_level", "logical"),
+        Ok(row) => Check::fail(
+            "wal_level",
+            format!(
+                "is {}; set wal_level = logical in postgresql.conf and restart PostgreSQL",
+                row.get::<_, String>(0)
+            ),
+        ),
+        Err(e) => Check::fail("wal_level", e.to_string()),
+    });
+    checks.push(
+        match one("SELECT rolreplication FROM pg_roles WHERE rolname = current_user").await {
+            Ok(row) if row.get::<_, bool>(0) => {
+                Check::ok("replication", "the role has the REPLICATION attribute")
+            }
+            Ok(_) => Check::fail(
+                "replication",
+                format!(
+                    "role {} lacks REPLICATION; run ALTER ROLE {} REPLICATION",
+                    config.postgres.user(),
+                    config.postgres.user()
+                ),
+            ),
+            Err(e) => Check::fail("replication", e.to_string()),
+        },
+    );
+    let extension = one("SELECT extversion FROM pg_extension WHERE extname = 'pg_outbox'").await;
+    checks.push(match extension {
+        Ok(row) => Check::ok(
+            "extension",
+            format!("pg_outbox {}", row.get::<_, String>(0)),
+        ),
+        Err(_) => Check::fail(
+            "extension",
+            format!(
+                "pg_outbox is not installed in {}; run CREATE EXTENSION pg_outbox as a superuser",
+                config.postgres.dbname()
+            ),
+        ),
+    });
+    checks.push(
+        match one("SELECT pg_has_role(current_user, 'outbox_relay', 'MEMBER')").await {
+            Ok(row) if row.get::<_, bool>(0) => Check::ok("privileges", "member of outbox_relay"),
+            Ok(_) => Check::fail(
+                "privileges",
+                format!("run GRANT outbox_relay TO {}", config.postgres.user()),
+            ),
+            Err(e) => Check::fail("privileges", format!("{e}; is the extension installed?")),
+        },
+    );
+    checks.push(
+        match slot::publication_exists(&client, &config.publication).await {
+            Ok(true) => Check::ok("publication", format!("{} exists", config.publication)),
+            Ok(false) if config.create_missing => Check::ok(
+                "publication",
+                format!("{} will be created on start", config.publication),
+            ),
+            Ok(false) => Check::fail(
+                "publication",
+                format!(
+                    "{} is missing; run outbox-forwarder publication create",
+                    config.publication
+                ),
+            ),
+            Err(e) => Check::fail("publication", e.to_string()),
+        },
+    );
+    checks.push(match slot::slot_exists(&client, &config.slot).await {
+        Ok(true) => Check::ok("slot", format!("{} exists", config.slot)),
+        Ok(false) => match one(
+            "SELECT current_setting('max_replication_slots')::int > (SELECT count(*) FROM pg_replication_slots)",
+        )
+        .await
+        {
+            Ok(row) if row.get::<_, bool>(0) && config.create_missing => {
+                Check::ok("slot", format!("{} will be created on start", config.slot))
+            }
+            Ok(row) if row.get::<_, bool>(0) => Check::fail("slot", format!("{} is missing; run outbox-forwarder slot create", config.slot)),
+            Ok(_) => Check::fail("slot", "max_replication_slots is used up; raise it or drop an unused slot"),
+            Err(e) => Check::fail("slot", e.to_string()),
+        },
+        Err(e) => Check::fail("slot", e.to_string()),
+    });
+    checks
+}
+
+async fn kafka(config: &Config) -> Check {
+    let bootstrap = config.kafka_bootstrap.clone();
+    let topic = config.offsets_topic.clone();
+    let outcome = tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &bootstrap)
+            .create()
+            .map_err(|e| e.to_string())?;
+        let metadata = consumer
+            .fetch_metadata(None, Duration::from_secs(10))
+            .map_err(|e| e.to_string())?;
+        let has_offsets = metadata.topics().iter().any(|t| t.name() == topic);
+        Ok::<_, String>((metadata.brokers().len(), has_offsets))
+    })
+    .await;
+    match outcome {
+        Ok(Ok((brokers, has_offsets))) => Check::ok(
+            "kafka",
+            format!(
+                "{} broker(s) at {}; offsets topic {} {}",
+                brokers,
+                config.kafka_bootstrap,
+                config.offsets_topic,
+                if has_offsets {
+                    "exists"
+                } else {
+                    "will be created (exactly-once mode)"
+                }
+            ),
+        ),
+        Ok(Err(e)) => Check::fail(
+            "kafka",
+            format!(
+                "cannot reach {}: {e}; check --kafka-bootstrap and the network",
+                config.kafka_bootstrap
+            ),
+        ),
+        Err(e) => Check::fail("kafka", e.to_string()),
+    }
+}
