@@ -4,7 +4,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::routing::{is_valid_topic, DEFAULT_TOPIC_TEMPLATE};
+use crate::routing::{is_valid_topic, ValueFormat, DEFAULT_TOPIC_TEMPLATE};
 
 /// Connection settings for PostgreSQL, parsed from a libpq-style URL or
 /// key/value string. The password is kept here only; it never reaches logs.
@@ -118,6 +118,8 @@ pub struct Config {
     pub transaction_timeout: Duration,
     /// Where poison events go; without it a poison event halts the forwarder.
     pub dead_letter_topic: Option<String>,
+    /// What a record's value holds.
+    pub value_format: ValueFormat,
 }
 
 impl Config {
@@ -139,6 +141,7 @@ impl Config {
             batch_max_time: Duration::from_millis(100),
             transaction_timeout: Duration::from_secs(300),
             dead_letter_topic: None,
+            value_format: ValueFormat::Raw,
         };
         config.validate()?;
         Ok(config)

@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use cdc_forwarder::config::Delivery;
 use cdc_forwarder::metrics::{self, Metrics};
+use cdc_forwarder::routing::ValueFormat;
 use cdc_forwarder::{check, pipeline, slot, status, Config, Error};
 use clap::{Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
@@ -109,6 +110,10 @@ struct RunArgs {
     /// the reason in headers, instead of halting.
     #[arg(long, env = "OUTBOX_DEAD_LETTER_TOPIC")]
     dead_letter_topic: Option<String>,
+    /// Record values: the raw payload, an envelope JSON with the identity
+    /// fields, or CloudEvents binary mode (ce_* headers).
+    #[arg(long, value_enum, env = "OUTBOX_VALUE_FORMAT", default_value_t = ValueFormatArg::Raw)]
+    value_format: ValueFormatArg,
     /// Serve /metrics (Prometheus), /healthz and /readyz on this address,
     /// for example 0.0.0.0:9187. Off when not set.
     #[arg(long, env = "OUTBOX_METRICS_LISTEN")]
@@ -116,6 +121,13 @@ struct RunArgs {
     /// /readyz fails while the slot's lag is above this many bytes.
     #[arg(long, env = "OUTBOX_READY_MAX_LAG_BYTES", default_value_t = 100 << 20)]
     ready_max_lag_bytes: u64,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ValueFormatArg {
+    Raw,
+    Envelope,
+    Cloudevents,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -249,6 +261,11 @@ fn config_from(args: &RunArgs) -> Result<Config, Error> {
     };
     config.offsets_topic = args.offsets_topic.clone();
     config.dead_letter_topic = args.dead_letter_topic.clone();
+    config.value_format = match args.value_format {
+        ValueFormatArg::Raw => ValueFormat::Raw,
+        ValueFormatArg::Envelope => ValueFormat::Envelope,
+        ValueFormatArg::Cloudevents => ValueFormat::CloudEvents,
+    };
     config.batch_max_events = args.batch_max_events;
     config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
     config.validate()?;

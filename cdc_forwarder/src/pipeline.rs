@@ -94,7 +94,10 @@ pub async fn run(
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let router = Router::new(config.topic_template.clone());
+    let router = Router::new(config.topic_template.clone()).with_format(
+        config.value_format,
+        format!("pg_outbox/{}/{}", config.postgres.dbname(), config.slot),
+    );
     // Events Kafka refused at delivery: with a dead-letter topic, the next
     // session sends them there instead of halting again.
     let mut poisoned: HashSet<String> = HashSet::new();
@@ -628,6 +631,7 @@ impl<'a> Session<'a> {
         let route = crate::routing::Route {
             topic: dead_letter_topic.clone(),
             headers,
+            value: None,
         };
         let report = self.producer.send(&event, &route).await?;
         self.dead_lettered += 1;

@@ -62,7 +62,7 @@ impl Producer {
         }
         let record = FutureRecord::to(&route.topic)
             .key(event.aggregate_id.as_bytes())
-            .payload(&event.payload[..])
+            .payload(route.value.as_deref().unwrap_or(&event.payload[..]))
             .headers(headers);
         self.enqueue(record, &event.event_id).await
     }

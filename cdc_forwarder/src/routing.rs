@@ -30,19 +30,44 @@ pub struct Route {
     pub topic: String,
     /// Header name and value pairs: the forwarder's own, then the user's.
     pub headers: Vec<(String, String)>,
+    /// The record value when it is not the payload itself (the envelope).
+    pub value: Option<Vec<u8>>,
+}
+
+/// What a record's value holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ValueFormat {
+    /// The payload JSON, identity in headers (the default).
+    #[default]
+    Raw,
+    /// A JSON object with the identity fields and `payload`.
+    Envelope,
+    /// CloudEvents 1.0 binary mode: `ce_*` headers, the payload as data.
+    CloudEvents,
 }
 
 /// Turns events into Kafka destinations.
 #[derive(Debug, Clone)]
 pub struct Router {
     topic_template: String,
+    format: ValueFormat,
+    /// CloudEvents `source`.
+    source: String,
 }
 
 impl Router {
     pub fn new(topic_template: impl Into<String>) -> Self {
         Router {
             topic_template: topic_template.into(),
+            format: ValueFormat::Raw,
+            source: "pg_outbox".into(),
         }
+    }
+
+    pub fn with_format(mut self, format: ValueFormat, source: impl Into<String>) -> Self {
+        self.format = format;
+        self.source = source.into();
+        self
     }
 
     pub fn route(&self, event: &OutboxEvent) -> Result<Route, RouteError> {
@@ -72,17 +97,74 @@ impl Router {
             ),
             (header::OCCURRED_AT.to_owned(), event.occurred_at.clone()),
         ];
+        let mut user = serde_json::Map::new();
         if let Some(raw) = &event.headers {
-            let user: serde_json::Map<String, serde_json::Value> =
-                serde_json::from_slice(raw).map_err(|_| RouteError::InvalidHeaders)?;
-            for (name, value) in user {
+            user = serde_json::from_slice(raw).map_err(|_| RouteError::InvalidHeaders)?;
+            for (name, value) in &user {
                 let serde_json::Value::String(value) = value else {
                     return Err(RouteError::InvalidHeaders);
                 };
-                headers.push((name, value));
+                headers.push((name.clone(), value.clone()));
             }
         }
-        Ok(Route { topic, headers })
+        let value = match self.format {
+            ValueFormat::Raw => None,
+            ValueFormat::Envelope => Some(envelope(event, &user)),
+            ValueFormat::CloudEvents => {
+                headers.extend([
+                    ("ce_specversion".to_owned(), "1.0".to_owned()),
+                    ("ce_id".to_owned(), event.event_id.clone()),
+                    ("ce_source".to_owned(), self.source.clone()),
+                    ("ce_type".to_owned(), event.event_type.clone()),
+                    ("ce_subject".to_owned(), event.aggregate_id.clone()),
+                    ("ce_time".to_owned(), rfc3339(&event.occurred_at)),
+                    ("ce_sequence".to_owned(), event.aggregate_seq.to_string()),
+                    ("ce_aggregatetype".to_owned(), event.aggregate_type.clone()),
+                    (
+                        "ce_dataschemaversion".to_owned(),
+                        event.schema_version.to_string(),
+                    ),
+                    ("content-type".to_owned(), "application/json".to_owned()),
+                ]);
+                None
+            }
+        };
+        Ok(Route {
+            topic,
+            headers,
+            value,
+        })
+    }
+}
+
+/// The envelope: identity fields and the payload, as one JSON object.
+fn envelope(event: &OutboxEvent, headers: &serde_json::Map<String, serde_json::Value>) -> Vec<u8> {
+    let text = |s: &str| serde_json::Value::String(s.to_owned()).to_string();
+    let mut out = format!(
+        r#"{{"event_id":{},"event_type":{},"aggregate_type":{},"aggregate_id":{},"aggregate_seq":{},"schema_version":{},"occurred_at":{},"headers":{},"payload":"#,
+        text(&event.event_id),
+        text(&event.event_type),
+        text(&event.aggregate_type),
+        text(&event.aggregate_id),
+        event.aggregate_seq,
+        event.schema_version,
+        text(&rfc3339(&event.occurred_at)),
+        serde_json::Value::Object(headers.clone()),
+    )
+    .into_bytes();
+    // The payload is jsonb's text output: valid JSON as it stands.
+    out.extend_from_slice(&event.payload);
+    out.push(b'}');
+    out
+}
+
+/// PostgreSQL's ISO timestamp in UTC (`2026-11-30 10:00:00.123+00`) as
+/// RFC 3339 (`2026-11-30T10:00:00.123Z`).
+pub fn rfc3339(timestamp: &str) -> String {
+    let t = timestamp.replacen(' ', "T", 1);
+    match t.strip_suffix("+00") {
+        Some(utc) => format!("{utc}Z"),
+        None => t,
     }
 }
 
@@ -152,6 +234,45 @@ mod tests {
             Err(RouteError::InvalidTopic { .. })
         ));
         assert!(!is_valid_topic(&"x".repeat(250)));
+    }
+
+    #[test]
+    fn the_envelope_is_json_holding_identity_and_payload() {
+        let mut e = event();
+        e.payload = Bytes::from_static(br#"{"total": 42.5}"#);
+        let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
+            .with_format(ValueFormat::Envelope, "pg_outbox/app")
+            .route(&e)
+            .expect("routes");
+        let value: serde_json::Value =
+            serde_json::from_slice(route.value.as_deref().expect("envelope")).expect("JSON");
+        assert_eq!(value["aggregate_seq"], 3);
+        assert_eq!(value["aggregate_id"], "o-1");
+        assert_eq!(value["payload"]["total"], 42.5);
+        assert_eq!(value["headers"]["trace"], "abc");
+        assert_eq!(value["occurred_at"], "2026-11-30T10:00:00Z");
+    }
+
+    #[test]
+    fn cloudevents_binary_mode_sets_the_required_attributes() {
+        let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
+            .with_format(ValueFormat::CloudEvents, "pg_outbox/app")
+            .route(&event())
+            .expect("routes");
+        let get = |k: &str| {
+            route
+                .headers
+                .iter()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(get("ce_specversion"), Some("1.0"));
+        assert_eq!(get("ce_id"), Some("0190a0b0-0000-7000-8000-000000000001"));
+        assert_eq!(get("ce_source"), Some("pg_outbox/app"));
+        assert_eq!(get("ce_type"), Some("OrderPlaced"));
+        assert_eq!(get("ce_sequence"), Some("3"));
+        assert_eq!(get("ce_time"), Some("2026-11-30T10:00:00Z"));
+        assert!(route.value.is_none(), "the payload is the data");
     }
 
     #[test]
