@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::ClientConfig;
 
 use crate::config::Config;
 use crate::slot;
@@ -167,13 +166,10 @@ async fn postgres(config: &Config) -> Vec<Check> {
 }
 
 async fn kafka(config: &Config) -> Check {
-    let bootstrap = config.kafka_bootstrap.clone();
+    let client = config.kafka_client();
     let topic = config.offsets_topic.clone();
     let outcome = tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &bootstrap)
-            .create()
-            .map_err(|e| e.to_string())?;
+        let consumer: BaseConsumer = client.create().map_err(|e| e.to_string())?;
         let metadata = consumer
             .fetch_metadata(None, Duration::from_secs(10))
             .map_err(|e| e.to_string())?;

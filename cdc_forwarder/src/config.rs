@@ -120,6 +120,19 @@ pub struct Config {
     pub dead_letter_topic: Option<String>,
     /// What a record's value holds.
     pub value_format: ValueFormat,
+    /// Raw librdkafka properties (TLS, SASL, tuning), applied to every Kafka client.
+    pub kafka_properties: KafkaProperties,
+}
+
+/// Raw librdkafka properties. Their values stay out of Debug output: they
+/// may hold SASL passwords and key material.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct KafkaProperties(pub std::collections::BTreeMap<String, String>);
+
+impl std::fmt::Debug for KafkaProperties {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.0.keys()).finish()
+    }
 }
 
 impl Config {
@@ -142,6 +155,7 @@ impl Config {
             transaction_timeout: Duration::from_secs(300),
             dead_letter_topic: None,
             value_format: ValueFormat::Raw,
+            kafka_properties: KafkaProperties::default(),
         };
         config.validate()?;
         Ok(config)
@@ -160,7 +174,57 @@ impl Config {
         })
     }
 
+    /// A Kafka client configuration with the bootstrap servers and the raw
+    /// properties; each client adds its own typed settings.
+    pub fn kafka_client(&self) -> rdkafka::ClientConfig {
+        let mut client = rdkafka::ClientConfig::new();
+        for (key, value) in &self.kafka_properties.0 {
+            client.set(key, value);
+        }
+        client.set("bootstrap.servers", &self.kafka_bootstrap);
+        client
+    }
+
+    /// The librdkafka settings the typed options decide, with their values.
+    fn typed_kafka_settings(&self) -> Vec<(&'static str, &'static str, Option<String>)> {
+        let exactly_once = self.delivery == Delivery::ExactlyOnce;
+        vec![
+            (
+                "bootstrap.servers",
+                "kafka_bootstrap",
+                Some(self.kafka_bootstrap.clone()),
+            ),
+            ("enable.idempotence", "delivery", Some("true".into())),
+            ("acks", "delivery", Some("all".into())),
+            (
+                "partitioner",
+                "(Java-compatible partitioning)",
+                Some("murmur2_random".into()),
+            ),
+            (
+                "transactional.id",
+                "delivery",
+                exactly_once.then(|| self.transactional_id()),
+            ),
+        ]
+    }
+
     pub fn validate(&self) -> Result<()> {
+        for (key, typed, ours) in self.typed_kafka_settings() {
+            let Some(raw) = self.kafka_properties.0.get(key) else {
+                continue;
+            };
+            let same = match (&ours, key) {
+                (Some(v), "acks") => raw == v || raw == "-1",
+                (Some(v), _) => raw == v,
+                (None, _) => false,
+            };
+            if !same {
+                return Err(Error::Config(format!(
+                    "kafka property {key:?} contradicts the typed option {typed}; remove it and set {typed} instead"
+                )));
+            }
+        }
         if self.kafka_bootstrap.trim().is_empty() {
             return Err(Error::Config(
                 "kafka bootstrap servers are empty; set --kafka-bootstrap host:port".into(),
@@ -223,6 +287,55 @@ mod tests {
     }
 
     #[test]
+    fn the_file_refuses_unknown_keys_by_name_and_knows_every_documented_key() {
+        let err = FileConfig::parse("slot = \"a\"\nslott = \"b\"\n")
+            .err()
+            .expect("refused");
+        assert!(err.contains("slott"), "{err}");
+        let all: String = FILE_KEYS
+            .iter()
+            .filter(|k| **k != "kafka_properties")
+            .map(|k| match *k {
+                "no_create" => format!("{k} = true\n"),
+                "batch_max_events" | "batch_max_ms" | "ready_max_lag_bytes" => format!("{k} = 1\n"),
+                _ => format!("{k} = \"x\"\n"),
+            })
+            .collect::<String>()
+            + "[kafka_properties]\n\"linger.ms\" = \"10\"\n";
+        assert!(
+            FileConfig::parse(&all).is_ok(),
+            "every listed key is accepted"
+        );
+    }
+
+    #[test]
+    fn raw_kafka_properties_may_not_contradict_typed_options() {
+        let mut c = Config::new("postgres://u@h/db", "k:9092").expect("valid");
+        c.kafka_properties.0.insert("acks".into(), "1".into());
+        let err = c.validate().expect_err("acks=1 contradicts").to_string();
+        assert!(
+            err.contains("\"acks\"") && err.contains("delivery"),
+            "{err}"
+        );
+        c.kafka_properties.0.insert("acks".into(), "all".into());
+        c.kafka_properties
+            .0
+            .insert("sasl.password".into(), "hunter2".into());
+        c.validate().expect("agreeing values are fine");
+        assert!(
+            !format!("{c:?}").contains("hunter2"),
+            "secrets stay out of Debug"
+        );
+        c.kafka_properties
+            .0
+            .insert("transactional.id".into(), "x".into());
+        assert!(
+            c.validate().is_err(),
+            "a transactional id in at-least-once mode"
+        );
+    }
+
+    #[test]
     fn bad_inputs_name_what_is_wrong() {
         let err = Config::new("postgres://u@h/", "k:9092").expect_err("no db");
         assert!(err.to_string().contains("no database"), "{err}");
@@ -235,5 +348,62 @@ mod tests {
             .expect_err("bad slot")
             .to_string()
             .contains("slot name"));
+    }
+}
+
+/// The configuration file (TOML). Keys are the `run` flags with `_` for `-`;
+/// `[kafka_properties]` passes raw librdkafka properties through. Flags and
+/// `OUTBOX_` environment variables override it. Unknown keys are refused.
+#[derive(Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub postgres_url: Option<String>,
+    pub kafka_bootstrap: Option<String>,
+    pub slot: Option<String>,
+    pub publication: Option<String>,
+    pub topic_template: Option<String>,
+    pub no_create: Option<bool>,
+    pub delivery: Option<String>,
+    pub offsets_topic: Option<String>,
+    pub batch_max_events: Option<usize>,
+    pub batch_max_ms: Option<u64>,
+    pub dead_letter_topic: Option<String>,
+    pub value_format: Option<String>,
+    pub metrics_listen: Option<String>,
+    pub ready_max_lag_bytes: Option<u64>,
+    #[serde(default)]
+    pub kafka_properties: std::collections::BTreeMap<String, String>,
+}
+
+/// Every key of the configuration file, for the documentation test.
+pub const FILE_KEYS: &[&str] = &[
+    "postgres_url",
+    "kafka_bootstrap",
+    "slot",
+    "publication",
+    "topic_template",
+    "no_create",
+    "delivery",
+    "offsets_topic",
+    "batch_max_events",
+    "batch_max_ms",
+    "dead_letter_topic",
+    "value_format",
+    "metrics_listen",
+    "ready_max_lag_bytes",
+    "kafka_properties",
+];
+
+impl FileConfig {
+    pub fn load(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Error::Config(format!("cannot read config file {}: {e}", path.display()))
+        })?;
+        Self::parse(&text)
+            .map_err(|e| Error::Config(format!("config file {}: {e}", path.display())))
+    }
+
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        toml::from_str(text).map_err(|e| e.message().to_owned())
     }
 }

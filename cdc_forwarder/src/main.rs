@@ -2,11 +2,12 @@
 
 use std::process::ExitCode;
 
-use cdc_forwarder::config::Delivery;
+use cdc_forwarder::config::{Delivery, FileConfig, KafkaProperties};
 use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::routing::ValueFormat;
 use cdc_forwarder::{check, pipeline, slot, status, Config, Error};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
 
 #[derive(Parser)]
@@ -16,6 +17,9 @@ use tokio::sync::watch;
     about = "Forwards pg_outbox events from PostgreSQL to Kafka"
 )]
 struct Cli {
+    /// TOML configuration file; flags and OUTBOX_ variables override it.
+    #[arg(long, env = "OUTBOX_CONFIG", global = true)]
+    config: Option<std::path::PathBuf>,
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Human, env = "OUTBOX_LOG_FORMAT", global = true)]
     log_format: LogFormat,
@@ -67,15 +71,15 @@ enum Action {
     Drop,
 }
 
-#[derive(clap::Args)]
+#[derive(clap::Args, Clone)]
 struct RunArgs {
     /// PostgreSQL connection URL of the database that has the pg_outbox
     /// extension, for a role with the REPLICATION attribute.
     #[arg(long, env = "OUTBOX_POSTGRES_URL", hide_env_values = true)]
-    postgres_url: String,
+    postgres_url: Option<String>,
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "OUTBOX_KAFKA_BOOTSTRAP")]
-    kafka_bootstrap: String,
+    kafka_bootstrap: Option<String>,
     /// Logical replication slot to stream from.
     #[arg(long, env = "OUTBOX_SLOT", default_value = "pg_outbox")]
     slot: String,
@@ -137,9 +141,29 @@ enum DeliveryArg {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    // Which `run` options were given as flags or environment variables:
+    // those win over the configuration file.
+    let explicit: Vec<String> = matches
+        .subcommand()
+        .map(|(_, sub)| {
+            sub.ids()
+                .filter(|id| {
+                    matches!(
+                        sub.value_source(id.as_str()),
+                        Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                    )
+                })
+                .map(|id| id.as_str().to_owned())
+                .collect()
+        })
+        .unwrap_or_default();
     init_logging(cli.log_format);
-    match try_main(cli) {
+    match try_main(cli, &explicit) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("outbox-forwarder: {error}");
@@ -148,7 +172,12 @@ fn main() -> ExitCode {
     }
 }
 
-fn try_main(cli: Cli) -> Result<(), Error> {
+fn try_main(cli: Cli, explicit: &[String]) -> Result<(), Error> {
+    let file = match &cli.config {
+        Some(path) => FileConfig::load(path)?,
+        None => FileConfig::default(),
+    };
+    let config_from = |args: &RunArgs| config_from(args, &file, explicit);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -249,8 +278,17 @@ fn try_main(cli: Cli) -> Result<(), Error> {
 }
 
 /// The one place where the command line becomes a configuration.
-fn config_from(args: &RunArgs) -> Result<Config, Error> {
-    let mut config = Config::new(&args.postgres_url, &args.kafka_bootstrap)?;
+fn config_from(args: &RunArgs, file: &FileConfig, explicit: &[String]) -> Result<Config, Error> {
+    let mut args = args.clone();
+    args.apply_file(file, explicit)?;
+    let postgres_url = args.postgres_url.as_deref().ok_or_else(|| {
+        Error::Config("no PostgreSQL URL: pass --postgres-url, set OUTBOX_POSTGRES_URL, or postgres_url in the config file".into())
+    })?;
+    let kafka_bootstrap = args.kafka_bootstrap.as_deref().ok_or_else(|| {
+        Error::Config("no Kafka bootstrap servers: pass --kafka-bootstrap, set OUTBOX_KAFKA_BOOTSTRAP, or kafka_bootstrap in the config file".into())
+    })?;
+    let mut config = Config::new(postgres_url, kafka_bootstrap)?;
+    config.kafka_properties = KafkaProperties(file.kafka_properties.clone());
     config.slot = args.slot.clone();
     config.publication = args.publication.clone();
     config.topic_template = args.topic_template.clone();
@@ -270,6 +308,61 @@ fn config_from(args: &RunArgs) -> Result<Config, Error> {
     config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
     config.validate()?;
     Ok(config)
+}
+
+impl RunArgs {
+    /// Fills what was not given explicitly from the configuration file.
+    fn apply_file(&mut self, file: &FileConfig, explicit: &[String]) -> Result<(), Error> {
+        let given = |id: &str| explicit.iter().any(|e| e == id);
+        macro_rules! take {
+            ($field:ident) => {
+                if !given(stringify!($field)) {
+                    if let Some(v) = &file.$field {
+                        self.$field = v.clone().into();
+                    }
+                }
+            };
+        }
+        take!(postgres_url);
+        take!(kafka_bootstrap);
+        take!(slot);
+        take!(publication);
+        take!(topic_template);
+        take!(no_create);
+        take!(offsets_topic);
+        take!(batch_max_events);
+        take!(batch_max_ms);
+        take!(dead_letter_topic);
+        take!(ready_max_lag_bytes);
+        if !given("delivery") {
+            if let Some(v) = &file.delivery {
+                self.delivery = DeliveryArg::from_str(v, false).map_err(|_| {
+                    Error::Config(format!(
+                        "config file: delivery {v:?} is not at-least-once or exactly-once"
+                    ))
+                })?;
+            }
+        }
+        if !given("value_format") {
+            if let Some(v) = &file.value_format {
+                self.value_format = ValueFormatArg::from_str(v, false).map_err(|_| {
+                    Error::Config(format!(
+                        "config file: value_format {v:?} is not raw, envelope or cloudevents"
+                    ))
+                })?;
+            }
+        }
+        if !given("metrics_listen") {
+            if let Some(v) = &file.metrics_listen {
+                self.metrics_listen = Some(v.parse().map_err(|_| {
+                    Error::Config(format!(
+                        "config file: metrics_listen {v:?} is not an address like 0.0.0.0:9187"
+                    ))
+                })?);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Turns the first SIGTERM or SIGINT into a graceful shutdown; a second one

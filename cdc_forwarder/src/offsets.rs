@@ -50,7 +50,8 @@ impl ConsumerContext for QuietEof {}
 /// Where a forwarder's offsets live and under which key.
 #[derive(Debug, Clone)]
 pub struct OffsetStore {
-    pub bootstrap: String,
+    /// Bootstrap servers and raw properties (TLS, SASL).
+    pub client: ClientConfig,
     pub topic: String,
     /// The forwarder's transactional id; one key per forwarder.
     pub key: String,
@@ -59,9 +60,7 @@ pub struct OffsetStore {
 impl OffsetStore {
     /// Creates the compacted offsets topic when it is missing.
     pub async fn ensure_topic(&self) -> Result<()> {
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &self.bootstrap)
-            .create()?;
+        let admin: AdminClient<DefaultClientContext> = self.client.create()?;
         let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(-1))
             .set("cleanup.policy", "compact");
         let results = admin
@@ -104,8 +103,8 @@ impl OffsetStore {
     pub fn load(&self, timeout: Duration) -> Result<Option<Lsn>> {
         let deadline = Instant::now() + timeout;
         let config = |isolation: &str| {
-            ClientConfig::new()
-                .set("bootstrap.servers", &self.bootstrap)
+            self.client
+                .clone()
                 .set("group.id", "pg_outbox-offsets-reader")
                 .set("enable.auto.commit", "false")
                 .set("enable.partition.eof", "true")
@@ -190,7 +189,7 @@ mod tests {
     #[test]
     fn offset_values_round_trip() {
         let store = OffsetStore {
-            bootstrap: String::new(),
+            client: ClientConfig::new(),
             topic: "t".into(),
             key: "k".into(),
         };

@@ -218,7 +218,7 @@ impl<'a> Session<'a> {
         faults::check("producer_init");
         let producer = Producer::new(config)?;
         let offsets = OffsetStore {
-            bootstrap: config.kafka_bootstrap.clone(),
+            client: config.kafka_client(),
             topic: config.offsets_topic.clone(),
             key: config.transactional_id(),
         };

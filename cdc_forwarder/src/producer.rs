@@ -8,7 +8,6 @@
 
 use std::time::Duration;
 
-use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
@@ -28,9 +27,8 @@ pub struct Producer {
 
 impl Producer {
     pub fn new(config: &Config) -> Result<Self> {
-        let mut client = ClientConfig::new();
+        let mut client = config.kafka_client();
         client
-            .set("bootstrap.servers", &config.kafka_bootstrap)
             .set("enable.idempotence", "true")
             .set("acks", "all")
             // The Java client's partitioner for keyed records, so Java

@@ -51,7 +51,7 @@ pub async fn collect(config: &Config) -> Result<Status> {
         .collect();
     let stored_offset = if config.delivery == Delivery::ExactlyOnce {
         let store = OffsetStore {
-            bootstrap: config.kafka_bootstrap.clone(),
+            client: config.kafka_client(),
             topic: config.offsets_topic.clone(),
             key: config.transactional_id(),
         };
