@@ -13,6 +13,7 @@ pub mod offsets;
 pub mod pgoutput;
 pub mod pipeline;
 pub mod producer;
+pub mod replay;
 pub mod replication;
 pub mod routing;
 pub mod slot;

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use cdc_forwarder::config::{Delivery, FileConfig, KafkaProperties};
 use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::routing::ValueFormat;
-use cdc_forwarder::{check, pipeline, slot, status, Config, Error};
+use cdc_forwarder::{check, pipeline, replay, slot, status, Config, Error};
 use clap::parser::ValueSource;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
@@ -53,6 +53,21 @@ enum Command {
     Slot {
         #[arg(value_enum)]
         action: Action,
+        #[command(flatten)]
+        args: RunArgs,
+    },
+    /// Publish an aggregate's stored events again, from a sequence on, with
+    /// the header replayed=true (for a consumer that lost its state).
+    Replay {
+        /// Aggregate type of the events.
+        #[arg(long)]
+        aggregate_type: String,
+        /// Aggregate id of the events.
+        #[arg(long)]
+        aggregate_id: String,
+        /// First sequence number to replay.
+        #[arg(long, default_value_t = 1)]
+        from_seq: i64,
         #[command(flatten)]
         args: RunArgs,
     },
@@ -247,6 +262,30 @@ fn try_main(cli: Cli, explicit: &[String]) -> Result<(), Error> {
                 );
                 Ok(())
             })
+        }
+        Command::Replay {
+            aggregate_type,
+            aggregate_id,
+            from_seq,
+            args,
+        } => {
+            let config = config_from(&args)?;
+            let selection = replay::Selection {
+                aggregate_type,
+                aggregate_id,
+                from_seq,
+            };
+            let progress = indicatif::ProgressBar::new(0).with_style(
+                indicatif::ProgressStyle::with_template("replay {bar:40} {pos}/{len} events")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            let sent = runtime.block_on(replay::run(&config, &selection, &progress))?;
+            progress.finish_and_clear();
+            println!(
+                "replayed {sent} events of {} {} from sequence {}",
+                selection.aggregate_type, selection.aggregate_id, selection.from_seq
+            );
+            Ok(())
         }
         Command::Publication { action, args } => {
             let config = config_from(&args)?;

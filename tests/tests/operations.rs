@@ -325,3 +325,50 @@ async fn a_standby_waits_then_takes_over_when_the_active_instance_dies() {
     standby.kill9().await;
     db.drop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_republishes_an_aggregate_from_a_sequence_marked_as_replayed() {
+    let db = TestDb::create("replay").await;
+    let topic = db.create_topic("order", 2).await;
+    let forwarder = Forwarder::spawn(&db, &[]);
+    db.wait_slot_active(WAIT).await;
+    let client = db.admin().await;
+    for _ in 0..10 {
+        pg_outbox_tests::emit(&client, "order", "o-1", "Changed", "{}").await;
+    }
+    pg_outbox_tests::emit(&client, "order", "o-2", "Changed", "{}").await;
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "11 records", |r| r.len() >= 11)
+        .await;
+
+    let mut args = base_args(&db);
+    args.extend(["--topic-template".to_owned(), db.topic_template()]);
+    let (code, out, err) = run_cli(
+        &[
+            "replay",
+            "--aggregate-type",
+            "order",
+            "--aggregate-id",
+            "o-1",
+            "--from-seq",
+            "4",
+        ],
+        &args,
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("replayed 7 events"), "{out}");
+    reader
+        .read_until(WAIT, "the replayed records", |r| r.len() >= 18)
+        .await;
+    let replayed: Vec<i64> = reader
+        .records
+        .iter()
+        .filter(|r| r.headers.get("replayed").map(String::as_str) == Some("true"))
+        .map(|r| r.seq())
+        .collect();
+    assert_eq!(replayed, (4..=10).collect::<Vec<i64>>());
+    forwarder.kill9().await;
+    db.drop().await;
+}
