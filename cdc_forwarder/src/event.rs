@@ -40,6 +40,29 @@ impl OutboxEvent {
     }
 }
 
+/// The columns, in text form, that [`OutboxEvent::from_row`] reads, for
+/// queries on `outbox.events` (the catch-up, replay).
+pub const EVENT_COLUMNS: &str = "event_id::text, aggregate_type, aggregate_id, aggregate_seq, \
+     event_type, schema_version, payload::text, headers::text, topic, occurred_at::text";
+
+impl OutboxEvent {
+    /// An event from a row selected with [`EVENT_COLUMNS`].
+    pub fn from_row(row: &tokio_postgres::Row) -> Self {
+        OutboxEvent {
+            event_id: row.get(0),
+            aggregate_type: row.get(1),
+            aggregate_id: row.get(2),
+            aggregate_seq: row.get(3),
+            event_type: row.get(4),
+            schema_version: row.get(5),
+            payload: row.get::<_, String>(6).into(),
+            headers: row.get::<_, Option<String>>(7).map(Into::into),
+            topic: row.get(8),
+            occurred_at: row.get(9),
+        }
+    }
+}
+
 /// The table's column layout changed in a way the forwarder cannot read.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LayoutError {

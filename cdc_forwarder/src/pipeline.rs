@@ -56,7 +56,7 @@ use tokio_postgres::Client;
 
 use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
-use crate::event::{EventLayout, OutboxEvent};
+use crate::event::{EventLayout, OutboxEvent, EVENT_COLUMNS};
 use crate::faults;
 use crate::lsn::Lsn;
 use crate::metrics::{Metrics, State};
@@ -344,9 +344,10 @@ impl<'a> Session<'a> {
         .await?;
         let portal = tx
             .bind(
-                "SELECT event_id::text, aggregate_type, aggregate_id, aggregate_seq, event_type, schema_version, \
-                        payload::text, headers::text, topic, occurred_at::text \
-                   FROM outbox.events ORDER BY aggregate_type, aggregate_id, aggregate_seq",
+                &format!(
+                    "SELECT {EVENT_COLUMNS} FROM outbox.events \
+                      ORDER BY aggregate_type, aggregate_id, aggregate_seq"
+                ),
                 &[],
             )
             .await?;
@@ -358,19 +359,7 @@ impl<'a> Session<'a> {
                 break;
             }
             for row in rows {
-                let event = OutboxEvent {
-                    event_id: row.get(0),
-                    aggregate_type: row.get(1),
-                    aggregate_id: row.get(2),
-                    aggregate_seq: row.get(3),
-                    event_type: row.get(4),
-                    schema_version: row.get(5),
-                    payload: row.get::<_, String>(6).into(),
-                    headers: row.get::<_, Option<String>>(7).map(Into::into),
-                    topic: row.get(8),
-                    occurred_at: row.get(9),
-                };
-                self.produce(txn, event).await?;
+                self.produce(txn, OutboxEvent::from_row(&row)).await?;
                 count += 1;
                 while self.tracker.events >= self.config.max_in_flight_events {
                     self.next_report().await?;

@@ -7,7 +7,7 @@ use futures::stream::{FuturesOrdered, StreamExt};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::event::OutboxEvent;
+use crate::event::{OutboxEvent, EVENT_COLUMNS};
 use crate::producer::Producer;
 use crate::routing::Router;
 use crate::slot;
@@ -35,12 +35,16 @@ pub async fn run(
     let client = slot::connect(&config.postgres).await?;
     let rows = client
         .query(
-            "SELECT event_id::text, aggregate_type, aggregate_id, aggregate_seq, event_type, schema_version, \
-                    payload::text, headers::text, topic, occurred_at::text \
-               FROM outbox.events \
-              WHERE aggregate_type = $1 AND aggregate_id = $2 AND aggregate_seq >= $3 \
-              ORDER BY aggregate_seq",
-            &[&selection.aggregate_type, &selection.aggregate_id, &selection.from_seq],
+            &format!(
+                "SELECT {EVENT_COLUMNS} FROM outbox.events \
+                  WHERE aggregate_type = $1 AND aggregate_id = $2 AND aggregate_seq >= $3 \
+                  ORDER BY aggregate_seq"
+            ),
+            &[
+                &selection.aggregate_type,
+                &selection.aggregate_id,
+                &selection.from_seq,
+            ],
         )
         .await?;
     progress.set_length(rows.len() as u64);
@@ -55,18 +59,7 @@ pub async fn run(
     );
     let mut reports = FuturesOrdered::new();
     for row in rows {
-        let event = OutboxEvent {
-            event_id: row.get(0),
-            aggregate_type: row.get(1),
-            aggregate_id: row.get(2),
-            aggregate_seq: row.get(3),
-            event_type: row.get(4),
-            schema_version: row.get(5),
-            payload: row.get::<_, String>(6).into(),
-            headers: row.get::<_, Option<String>>(7).map(Into::into),
-            topic: row.get(8),
-            occurred_at: row.get(9),
-        };
+        let event = OutboxEvent::from_row(&row);
         let mut route = router
             .route(&event)
             .map_err(|e| Error::from((event.event_id.clone(), e)))?;

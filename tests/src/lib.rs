@@ -155,36 +155,31 @@ impl TestDb {
     /// Waits until a forwarder holds this test's slot and has finished its
     /// first-start catch-up (a condition, polled).
     pub async fn wait_slot_active(&self, timeout: Duration) {
-        let admin = self.admin().await;
-        wait_until(timeout, "the forwarder to hold its slot", || async {
-            admin
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots s JOIN outbox.relay_progress p USING (slot_name) \
-                      WHERE s.slot_name = $1 AND s.active AND s.confirmed_flush_lsn IS NOT NULL \
-                        AND p.caught_up_at IS NOT NULL",
-                    &[&self.slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
-        })
+        self.wait_slot(
+            timeout,
+            "the forwarder to hold its slot",
+            "SELECT 1 FROM pg_replication_slots s JOIN outbox.relay_progress p USING (slot_name) \
+              WHERE s.slot_name = $1 AND s.active AND s.confirmed_flush_lsn IS NOT NULL \
+                AND p.caught_up_at IS NOT NULL",
+        )
         .await;
     }
 
     /// Waits until no process holds this test's slot.
     pub async fn wait_slot_inactive(&self, timeout: Duration) {
+        self.wait_slot(
+            timeout,
+            "the slot to be released",
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
+        )
+        .await;
+    }
+
+    /// Polls `sql` (with the slot name as $1) until it returns a row.
+    async fn wait_slot(&self, timeout: Duration, what: &str, sql: &str) {
         let admin = self.admin().await;
-        wait_until(timeout, "the slot to be released", || async {
-            admin
-                .query_opt(
-                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
-                    &[&self.slot],
-                )
-                .await
-                .ok()
-                .flatten()
-                .is_some()
+        wait_until(timeout, what, || async {
+            matches!(admin.query_opt(sql, &[&self.slot]).await, Ok(Some(_)))
         })
         .await;
     }
@@ -718,4 +713,25 @@ pub async fn forwarder_command(args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&output.stdout).into_owned(),
         String::from_utf8_lossy(&output.stderr).into_owned(),
     )
+}
+
+/// Reads until every event committed in `db` has arrived, then on to the end
+/// of `topic` so that late duplicates are counted too, and compares.
+pub async fn read_every_committed(
+    db: &TestDb,
+    reader: &mut Reader,
+    topic: &str,
+    timeout: Duration,
+) -> Verdict {
+    let committed = committed_events(&db.admin().await).await;
+    let ids: std::collections::HashSet<&str> = committed.iter().map(|e| e.0.as_str()).collect();
+    reader
+        .read_until(timeout, "every committed event", |records| {
+            let seen: std::collections::HashSet<&str> =
+                records.iter().map(|r| r.event_id()).collect();
+            ids.iter().all(|id| seen.contains(id))
+        })
+        .await;
+    reader.read_to_end(&[topic], timeout).await;
+    verdict(&committed, &reader.records)
 }

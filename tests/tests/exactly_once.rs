@@ -4,26 +4,14 @@
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    committed_events, verdict, write_transactions, Forwarder, Reader, TestDb, Verdict,
+    read_every_committed, write_transactions, Forwarder, Reader, TestDb, Verdict,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
 const EOS: &[&str] = &["--delivery", "exactly-once"];
 
-/// Reads until every committed event has arrived, then on to the end of the
-/// topic, so that late duplicates would be counted too.
 async fn read_all(db: &TestDb, reader: &mut Reader, topic: &str) -> Verdict {
-    let committed = committed_events(&db.admin().await).await;
-    let ids: std::collections::HashSet<String> = committed.iter().map(|e| e.0.clone()).collect();
-    reader
-        .read_until(WAIT, "every committed event", |records| {
-            let seen: std::collections::HashSet<&str> =
-                records.iter().map(|r| r.event_id()).collect();
-            ids.iter().all(|id| seen.contains(id.as_str()))
-        })
-        .await;
-    reader.read_to_end(&[topic], WAIT).await;
-    verdict(&committed, &reader.records)
+    read_every_committed(db, reader, topic, WAIT).await
 }
 
 fn assert_exactly_once(v: &Verdict) {

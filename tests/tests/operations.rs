@@ -1,12 +1,11 @@
 //! What an operator sees: check, status, slot and publication commands,
 //! misconfigurations, graceful shutdown and a standby that takes over.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    committed_events, connect, forwarder_command, free_port, http_get, parse_metrics, unique,
-    verdict, wait_until, with_database, write_transactions, Forwarder, Reader, TestDb,
+    connect, forwarder_command, free_port, http_get, parse_metrics, read_every_committed, unique,
+    wait_until, with_database, write_transactions, Forwarder, Reader, TestDb,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -239,16 +238,7 @@ async fn sigterm_drains_and_exits_zero_losing_nothing() {
         let second = Forwarder::spawn(&db, args);
         writer.await.expect("writer");
 
-        let committed = committed_events(&db.admin().await).await;
-        let ids: HashSet<String> = committed.iter().map(|e| e.0.clone()).collect();
-        reader
-            .read_until(WAIT, "every committed event", |records| {
-                let seen: HashSet<&str> = records.iter().map(|r| r.event_id()).collect();
-                ids.iter().all(|id| seen.contains(id.as_str()))
-            })
-            .await;
-        reader.read_to_end(&[&topic], WAIT).await;
-        let v = verdict(&committed, &reader.records);
+        let v = read_every_committed(&db, &mut reader, &topic, WAIT).await;
         eprintln!("{mode}: {v:?}");
         assert_eq!((v.lost, v.phantoms, v.order_violations), (0, 0, 0), "{v:?}");
         // A drained stop confirms what it delivered: nothing is sent twice.
@@ -307,16 +297,7 @@ async fn a_standby_waits_then_takes_over_when_the_active_instance_dies() {
     );
     writer.await.expect("writer");
 
-    let committed = committed_events(&db.admin().await).await;
-    let ids: HashSet<String> = committed.iter().map(|e| e.0.clone()).collect();
-    reader
-        .read_until(WAIT, "every committed event", |records| {
-            let seen: HashSet<&str> = records.iter().map(|r| r.event_id()).collect();
-            ids.iter().all(|id| seen.contains(id.as_str()))
-        })
-        .await;
-    reader.read_to_end(&[&topic], WAIT).await;
-    let v = verdict(&committed, &reader.records);
+    let v = read_every_committed(&db, &mut reader, &topic, WAIT).await;
     assert_eq!(
         (v.lost, v.duplicates, v.phantoms, v.order_violations),
         (0, 0, 0, 0),

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    committed_events, emit, verdict, wait_until, write_transactions, Forwarder, Reader, TestDb,
+    committed_events, emit, read_every_committed, verdict, wait_until, write_transactions,
+    Forwarder, Reader, TestDb,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -324,17 +325,7 @@ async fn a_second_forwarder_fences_a_paused_first_one() {
     // The zombie wakes up: whatever it had in flight must not reach a
     // read_committed consumer.
     signal("-CONT", first.pid());
-    let committed = committed_events(&admin).await;
-    let ids: std::collections::HashSet<String> = committed.iter().map(|e| e.0.clone()).collect();
-    reader
-        .read_until(WAIT, "every committed event", |records| {
-            let seen: std::collections::HashSet<&str> =
-                records.iter().map(|r| r.event_id()).collect();
-            ids.iter().all(|id| seen.contains(id.as_str()))
-        })
-        .await;
-    reader.read_to_end(&[&topic], WAIT).await;
-    let v = verdict(&committed, &reader.records);
+    let v = read_every_committed(&db, &mut reader, &topic, WAIT).await;
     eprintln!("{v:?}");
     assert_eq!(
         (v.lost, v.duplicates, v.phantoms, v.order_violations),

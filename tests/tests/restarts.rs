@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::sync::Mutex;
 
 use pg_outbox_tests::{
-    committed_events, stack_command, verdict, with_database, write_transactions_through_restarts,
+    read_every_committed, stack_command, with_database, write_transactions_through_restarts,
     Forwarder, Reader, TestDb,
 };
 
@@ -36,17 +36,7 @@ async fn run_through(restarts: &[&[&str]], args: &[&str], name: &str) {
     }
     writer.await.expect("writer");
 
-    let committed = committed_events(&db.admin().await).await;
-    let ids: std::collections::HashSet<String> = committed.iter().map(|e| e.0.clone()).collect();
-    reader
-        .read_until(WAIT, "every committed event", |records| {
-            let seen: std::collections::HashSet<&str> =
-                records.iter().map(|r| r.event_id()).collect();
-            ids.iter().all(|id| seen.contains(id.as_str()))
-        })
-        .await;
-    reader.read_to_end(&[&topic], WAIT).await;
-    let v = verdict(&committed, &reader.records);
+    let v = read_every_committed(&db, &mut reader, &topic, WAIT).await;
     eprintln!("{name}: {v:?}");
     assert_eq!((v.lost, v.phantoms, v.order_violations), (0, 0, 0), "{v:?}");
     if args.contains(&"exactly-once") {
