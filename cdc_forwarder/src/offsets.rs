@@ -39,7 +39,11 @@ struct QuietEof;
 
 impl ClientContext for QuietEof {
     fn error(&self, error: KafkaError, reason: &str) {
-        if !matches!(error, KafkaError::PartitionEOF(_)) {
+        let end_of_partition = matches!(
+            error,
+            KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+        );
+        if !end_of_partition {
             tracing::warn!(error = %error, reason, "kafka client error while reading offsets");
         }
     }
