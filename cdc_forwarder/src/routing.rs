@@ -34,6 +34,16 @@ pub struct Route {
     pub value: Option<Vec<u8>>,
 }
 
+impl Route {
+    /// The value of header `name`, if set.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
 /// What a record's value holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ValueFormat {
@@ -205,16 +215,9 @@ mod tests {
             .route(&event())
             .expect("routes");
         assert_eq!(route.topic, "outbox.order");
-        let get = |k: &str| {
-            route
-                .headers
-                .iter()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.as_str())
-        };
-        assert_eq!(get(header::AGGREGATE_SEQ), Some("3"));
-        assert_eq!(get(header::EVENT_TYPE), Some("OrderPlaced"));
-        assert_eq!(get("trace"), Some("abc"));
+        assert_eq!(route.header(header::AGGREGATE_SEQ), Some("3"));
+        assert_eq!(route.header(header::EVENT_TYPE), Some("OrderPlaced"));
+        assert_eq!(route.header("trace"), Some("abc"));
     }
 
     #[test]
@@ -259,19 +262,15 @@ mod tests {
             .with_format(ValueFormat::CloudEvents, "pg_outbox/app")
             .route(&event())
             .expect("routes");
-        let get = |k: &str| {
-            route
-                .headers
-                .iter()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.as_str())
-        };
-        assert_eq!(get("ce_specversion"), Some("1.0"));
-        assert_eq!(get("ce_id"), Some("0190a0b0-0000-7000-8000-000000000001"));
-        assert_eq!(get("ce_source"), Some("pg_outbox/app"));
-        assert_eq!(get("ce_type"), Some("OrderPlaced"));
-        assert_eq!(get("ce_sequence"), Some("3"));
-        assert_eq!(get("ce_time"), Some("2026-11-30T10:00:00Z"));
+        assert_eq!(route.header("ce_specversion"), Some("1.0"));
+        assert_eq!(
+            route.header("ce_id"),
+            Some("0190a0b0-0000-7000-8000-000000000001")
+        );
+        assert_eq!(route.header("ce_source"), Some("pg_outbox/app"));
+        assert_eq!(route.header("ce_type"), Some("OrderPlaced"));
+        assert_eq!(route.header("ce_sequence"), Some("3"));
+        assert_eq!(route.header("ce_time"), Some("2026-11-30T10:00:00Z"));
         assert!(route.value.is_none(), "the payload is the data");
     }
 

@@ -219,6 +219,23 @@ async fn each_misconfiguration_gives_one_clear_line_and_a_nonzero_exit() {
         .await;
 }
 
+/// Starts a writer of 400 transactions on `aggregate_type` and returns it
+/// with a reader of `topic` that has already seen the stream flow.
+async fn write_while_reading(
+    db: &TestDb,
+    aggregate_type: &'static str,
+    topic: &str,
+) -> (tokio::task::JoinHandle<()>, Reader) {
+    let mut client = db.admin().await;
+    let writer =
+        tokio::spawn(async move { write_transactions(&mut client, aggregate_type, 5, 400).await });
+    let mut reader = Reader::new(&db.stack, &[topic]);
+    reader
+        .read_until(WAIT, "the stream to flow", |r| r.len() >= 100)
+        .await;
+    (writer, reader)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sigterm_drains_and_exits_zero_losing_nothing() {
     for (mode, args) in [("alo", &[][..]), ("eos", EOS)] {
@@ -226,13 +243,7 @@ async fn sigterm_drains_and_exits_zero_losing_nothing() {
         let topic = db.create_topic("box", 3).await;
         let first = Forwarder::spawn(&db, args);
         db.wait_slot_active(WAIT).await;
-        let mut client = db.admin().await;
-        let writer =
-            tokio::spawn(async move { write_transactions(&mut client, "box", 5, 400).await });
-        let mut reader = Reader::new(&db.stack, &[&topic]);
-        reader
-            .read_until(WAIT, "the stream to flow", |r| r.len() >= 100)
-            .await;
+        let (writer, mut reader) = write_while_reading(&db, "box", &topic).await;
         let status = first.signal_and_wait("TERM").await;
         assert_eq!(status.code(), Some(0), "{mode}: graceful exit");
         let second = Forwarder::spawn(&db, args);
@@ -279,12 +290,7 @@ async fn a_standby_waits_then_takes_over_when_the_active_instance_dies() {
     })
     .await;
 
-    let mut client = db.admin().await;
-    let writer = tokio::spawn(async move { write_transactions(&mut client, "lane", 5, 400).await });
-    let mut reader = Reader::new(&db.stack, &[&topic]);
-    reader
-        .read_until(WAIT, "the stream to flow", |r| r.len() >= 100)
-        .await;
+    let (writer, mut reader) = write_while_reading(&db, "lane", &topic).await;
     active.kill9().await;
     let died = std::time::Instant::now();
     wait_until(WAIT, "the standby to take over", || async {
