@@ -3,7 +3,12 @@
 
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use std::sync::{Arc, Mutex};
+
+use rdkafka::client::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
 
 use crate::config::Config;
 use crate::slot;
@@ -58,12 +63,15 @@ async fn postgres(config: &Config) -> Vec<Check> {
     {
         Ok(Ok(client)) => client,
         Ok(Err(e)) => {
+            let hint = if e.to_string().contains("TLS") {
+                "check sslmode and sslrootcert (the CA that signed the server's certificate)"
+            } else {
+                "check the URL, the password and pg_hba.conf"
+            };
             return vec![Check::fail(
                 "postgres",
-                format!(
-                    "cannot connect to {target}: {e}; check the URL, the password and pg_hba.conf"
-                ),
-            )]
+                format!("cannot connect to {target}: {e}; {hint}"),
+            )];
         }
         Err(_) => {
             return vec![Check::fail(
@@ -72,11 +80,20 @@ async fn postgres(config: &Config) -> Vec<Check> {
             )]
         }
     };
-    let mut checks = vec![Check::ok("postgres", format!("connected to {target}"))];
     let one = |sql: &'static str| {
         let client = &client;
         async move { client.query_one(sql, &[]).await }
     };
+    let sslmode = config.postgres.tls().mode.name();
+    let tls =
+        match one("SELECT version FROM pg_stat_ssl WHERE pid = pg_backend_pid() AND ssl").await {
+            Ok(row) => format!("over {} (sslmode {sslmode})", row.get::<_, String>(0)),
+            Err(_) => format!("without TLS (sslmode {sslmode})"),
+        };
+    let mut checks = vec![Check::ok(
+        "postgres",
+        format!("connected to {target} {tls}"),
+    )];
 
     checks.push(match one("SHOW wal_level").await {
         Ok(row) if row.get::<_, String>(0) == "logical" => Check::ok("wal_level", "logical"),
@@ -165,14 +182,56 @@ async fn postgres(config: &Config) -> Vec<Check> {
     checks
 }
 
+/// Keeps the first error librdkafka reports: it says why (a refused TLS
+/// certificate, failed SASL authentication) where the metadata request
+/// only says that it failed.
+#[derive(Clone, Default)]
+struct FirstError(Arc<Mutex<Option<String>>>);
+
+impl FirstError {
+    fn keep(&self, text: String) {
+        if let Ok(mut first) = self.0.lock() {
+            first.get_or_insert(text);
+        }
+    }
+}
+
+impl ClientContext for FirstError {
+    fn error(&self, error: KafkaError, reason: &str) {
+        self.keep(format!("{error}: {reason}"));
+    }
+
+    fn log(&self, level: RDKafkaLogLevel, _facility: &str, message: &str) {
+        if matches!(
+            level,
+            RDKafkaLogLevel::Emerg
+                | RDKafkaLogLevel::Alert
+                | RDKafkaLogLevel::Critical
+                | RDKafkaLogLevel::Error
+        ) {
+            self.keep(message.to_owned());
+        }
+    }
+}
+
+impl ConsumerContext for FirstError {}
+
 async fn kafka(config: &Config) -> Check {
     let client = config.kafka_client();
     let topic = config.offsets_topic.clone();
     let outcome = tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = client.create().map_err(|e| e.to_string())?;
+        let context = FirstError::default();
+        let consumer: BaseConsumer<FirstError> = client
+            .create_with_context(context.clone())
+            .map_err(|e| e.to_string())?;
         let metadata = consumer
             .fetch_metadata(None, Duration::from_secs(10))
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| {
+                // Errors reach the context through the client's queue.
+                let _no_message_expected = consumer.poll(Duration::from_millis(100));
+                let first = context.0.lock().ok().and_then(|f| f.clone());
+                first.unwrap_or_else(|| e.to_string())
+            })?;
         let has_offsets = metadata.topics().iter().any(|t| t.name() == topic);
         Ok::<_, String>((metadata.brokers().len(), has_offsets))
     })
@@ -195,7 +254,7 @@ async fn kafka(config: &Config) -> Check {
         Ok(Err(e)) => Check::fail(
             "kafka",
             format!(
-                "cannot reach {}: {e}; check --kafka-bootstrap and the network",
+                "cannot reach {}: {e}; check --kafka-bootstrap, the network and the kafka_security_* / kafka_sasl_* settings",
                 config.kafka_bootstrap
             ),
         ),

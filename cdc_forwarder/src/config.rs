@@ -8,16 +8,190 @@ use crate::routing::{is_valid_topic, ValueFormat, DEFAULT_TOPIC_TEMPLATE};
 
 /// Connection settings for PostgreSQL, parsed from a libpq-style URL or
 /// key/value string. The password is kept here only; it never reaches logs.
+/// The TLS parameters (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`) are
+/// read here with libpq's meaning and applied to both kinds of connection.
 #[derive(Clone)]
 pub struct PgTarget {
     config: tokio_postgres::Config,
+    tls: PgTls,
+}
+
+/// libpq's `sslmode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SslMode {
+    Disable,
+    /// TLS when the server offers it, without verification (libpq's default).
+    #[default]
+    Prefer,
+    /// TLS, without verification unless `sslrootcert` is given.
+    Require,
+    /// TLS, the server certificate signed by a trusted CA.
+    VerifyCa,
+    /// As verify-ca, and the certificate names the host connected to.
+    VerifyFull,
+}
+
+impl SslMode {
+    pub const NAMES: &'static str = "disable, prefer, require, verify-ca or verify-full";
+
+    fn parse(value: &str) -> Option<Self> {
+        Some(match value {
+            "disable" => SslMode::Disable,
+            "prefer" | "allow" => SslMode::Prefer,
+            "require" => SslMode::Require,
+            "verify-ca" => SslMode::VerifyCa,
+            "verify-full" => SslMode::VerifyFull,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SslMode::Disable => "disable",
+            SslMode::Prefer => "prefer",
+            SslMode::Require => "require",
+            SslMode::VerifyCa => "verify-ca",
+            SslMode::VerifyFull => "verify-full",
+        }
+    }
+}
+
+/// TLS settings for PostgreSQL connections.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PgTls {
+    pub mode: SslMode,
+    /// CA certificates (PEM) that sign the server's certificate.
+    pub root_cert: Option<std::path::PathBuf>,
+    /// Client certificate and key (PEM) for `cert` authentication.
+    pub client_cert: Option<std::path::PathBuf>,
+    pub client_key: Option<std::path::PathBuf>,
+}
+
+impl PgTls {
+    /// Whether the server's certificate chain is checked. As in libpq,
+    /// `require` with an explicit `sslrootcert` behaves like `verify-ca`.
+    pub fn verifies_chain(&self) -> bool {
+        match self.mode {
+            SslMode::VerifyCa | SslMode::VerifyFull => true,
+            SslMode::Require => self.root_cert.is_some(),
+            SslMode::Disable | SslMode::Prefer => false,
+        }
+    }
+
+    /// Takes the TLS parameters out of a URL's query or a key/value string,
+    /// returning the rest for tokio-postgres.
+    fn extract(url: &str) -> Result<(String, PgTls)> {
+        let mut tls = PgTls::default();
+        let mut take = |key: &str, value: String| -> Result<bool> {
+            match key {
+                "sslmode" => {
+                    tls.mode = SslMode::parse(&value).ok_or_else(|| {
+                        Error::Config(format!(
+                            "postgres url: sslmode {value:?} is not one of {}",
+                            SslMode::NAMES
+                        ))
+                    })?
+                }
+                "sslrootcert" => tls.root_cert = Some(value.into()),
+                "sslcert" => tls.client_cert = Some(value.into()),
+                "sslkey" => tls.client_key = Some(value.into()),
+                _ => return Ok(false),
+            }
+            Ok(true)
+        };
+        let rest = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            match url.split_once('?') {
+                None => url.to_owned(),
+                Some((base, query)) => {
+                    let mut kept = Vec::new();
+                    for pair in query.split('&').filter(|p| !p.is_empty()) {
+                        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+                        if !take(key, percent_decode(value))? {
+                            kept.push(pair);
+                        }
+                    }
+                    if kept.is_empty() {
+                        base.to_owned()
+                    } else {
+                        format!("{base}?{}", kept.join("&"))
+                    }
+                }
+            }
+        } else {
+            let mut kept = Vec::new();
+            for word in url.split_whitespace() {
+                let taken = match word.split_once('=') {
+                    Some((key, value)) => take(key.trim(), value.trim_matches('\'').to_owned())?,
+                    None => false,
+                };
+                if !taken {
+                    kept.push(word);
+                }
+            }
+            kept.join(" ")
+        };
+        if tls.client_cert.is_some() != tls.client_key.is_some() {
+            return Err(Error::Config(
+                "postgres url: sslcert and sslkey go together; give both or neither".into(),
+            ));
+        }
+        if tls.mode == SslMode::Disable && (tls.root_cert.is_some() || tls.client_cert.is_some()) {
+            return Err(Error::Config(
+                "postgres url: sslmode=disable contradicts sslrootcert/sslcert; remove one".into(),
+            ));
+        }
+        for path in [&tls.root_cert, &tls.client_cert, &tls.client_key]
+            .into_iter()
+            .flatten()
+        {
+            if !path.is_file() {
+                return Err(Error::Config(format!(
+                    "postgres url: TLS file {} does not exist or is not a file",
+                    path.display()
+                )));
+            }
+        }
+        Ok((rest, tls))
+    }
+}
+
+/// `%XX` escapes in a URL query value (file paths may carry them).
+fn percent_decode(value: &str) -> String {
+    let mut out = Vec::with_capacity(value.len());
+    let mut rest = value.as_bytes();
+    while let Some((&byte, tail)) = rest.split_first() {
+        let escaped = (byte == b'%')
+            .then(|| tail.get(..2))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(decoded) => {
+                out.push(decoded);
+                rest = &tail[2..];
+            }
+            None => {
+                out.push(byte);
+                rest = tail;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 impl PgTarget {
     pub fn parse(url: &str) -> Result<Self> {
-        let config = tokio_postgres::Config::from_str(url).map_err(|e| {
+        let (rest, tls) = PgTls::extract(url)?;
+        let mut config = tokio_postgres::Config::from_str(&rest).map_err(|e| {
             Error::Config(format!("postgres url is not valid ({e}); expected postgres://user:password@host:port/dbname"))
         })?;
+        config.ssl_mode(match tls.mode {
+            SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+            SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+            SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+                tokio_postgres::config::SslMode::Require
+            }
+        });
         if config.get_dbname().is_none() {
             return Err(Error::Config(
                 "postgres url names no database; add /dbname".into(),
@@ -26,7 +200,11 @@ impl PgTarget {
         if config.get_user().is_none() {
             return Err(Error::Config("postgres url names no user".into()));
         }
-        Ok(PgTarget { config })
+        Ok(PgTarget { config, tls })
+    }
+
+    pub fn tls(&self) -> &PgTls {
+        &self.tls
     }
 
     pub fn sql_config(&self) -> &tokio_postgres::Config {
@@ -120,8 +298,145 @@ pub struct Config {
     pub dead_letter_topic: Option<String>,
     /// What a record's value holds.
     pub value_format: ValueFormat,
-    /// Raw librdkafka properties (TLS, SASL, tuning), applied to every Kafka client.
+    /// How the Kafka clients authenticate and encrypt.
+    pub kafka_security: KafkaSecurity,
+    /// Raw librdkafka properties (tuning, rarer security settings), applied
+    /// to every Kafka client.
     pub kafka_properties: KafkaProperties,
+}
+
+/// Kafka's `security.protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KafkaProtocol {
+    Plaintext,
+    Ssl,
+    SaslPlaintext,
+    SaslSsl,
+}
+
+impl KafkaProtocol {
+    fn name(self) -> &'static str {
+        match self {
+            KafkaProtocol::Plaintext => "plaintext",
+            KafkaProtocol::Ssl => "ssl",
+            KafkaProtocol::SaslPlaintext => "sasl_plaintext",
+            KafkaProtocol::SaslSsl => "sasl_ssl",
+        }
+    }
+
+    fn uses_sasl(self) -> bool {
+        matches!(self, KafkaProtocol::SaslPlaintext | KafkaProtocol::SaslSsl)
+    }
+}
+
+/// SASL mechanisms that work with a username and password.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SaslMechanism {
+    Plain,
+    ScramSha256,
+    ScramSha512,
+}
+
+impl SaslMechanism {
+    fn name(self) -> &'static str {
+        match self {
+            SaslMechanism::Plain => "PLAIN",
+            SaslMechanism::ScramSha256 => "SCRAM-SHA-256",
+            SaslMechanism::ScramSha512 => "SCRAM-SHA-512",
+        }
+    }
+}
+
+/// Encryption and authentication towards Kafka. The password stays out of
+/// Debug output.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct KafkaSecurity {
+    /// Unset: librdkafka's default (plaintext), or a raw property.
+    pub protocol: Option<KafkaProtocol>,
+    pub sasl_mechanism: Option<SaslMechanism>,
+    pub sasl_username: Option<String>,
+    pub sasl_password: Option<String>,
+    /// CA certificates (PEM) that sign the brokers' certificates; unset:
+    /// the system's trust store.
+    pub ssl_ca: Option<std::path::PathBuf>,
+}
+
+impl std::fmt::Debug for KafkaSecurity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSecurity")
+            .field("protocol", &self.protocol)
+            .field("sasl_mechanism", &self.sasl_mechanism)
+            .field("sasl_username", &self.sasl_username)
+            .field("sasl_password", &self.sasl_password.as_ref().map(|_| "***"))
+            .field("ssl_ca", &self.ssl_ca)
+            .finish()
+    }
+}
+
+impl KafkaSecurity {
+    /// The librdkafka properties these settings stand for.
+    fn properties(&self) -> Vec<(&'static str, &'static str, String)> {
+        let mut out = Vec::new();
+        if let Some(protocol) = self.protocol {
+            out.push((
+                "security.protocol",
+                "kafka_security_protocol",
+                protocol.name().to_owned(),
+            ));
+        }
+        if let Some(mechanism) = self.sasl_mechanism {
+            out.push((
+                "sasl.mechanisms",
+                "kafka_sasl_mechanism",
+                mechanism.name().to_owned(),
+            ));
+        }
+        if let Some(user) = &self.sasl_username {
+            out.push(("sasl.username", "kafka_sasl_username", user.clone()));
+        }
+        if let Some(password) = &self.sasl_password {
+            out.push(("sasl.password", "kafka_sasl_password", password.clone()));
+        }
+        if let Some(ca) = &self.ssl_ca {
+            out.push(("ssl.ca.location", "kafka_ssl_ca", ca.display().to_string()));
+        }
+        out
+    }
+
+    fn validate(&self) -> Result<()> {
+        let sasl = self.protocol.is_some_and(KafkaProtocol::uses_sasl);
+        let sasl_given = self.sasl_mechanism.is_some()
+            || self.sasl_username.is_some()
+            || self.sasl_password.is_some();
+        if sasl_given && !sasl {
+            return Err(Error::Config(
+                "kafka SASL settings need kafka_security_protocol sasl_ssl or sasl_plaintext"
+                    .into(),
+            ));
+        }
+        if sasl && (self.sasl_username.is_none() || self.sasl_password.is_none()) {
+            return Err(Error::Config(
+                "kafka_security_protocol uses SASL: set kafka_sasl_username and kafka_sasl_password (OUTBOX_KAFKA_SASL_PASSWORD)".into(),
+            ));
+        }
+        if let Some(ca) = &self.ssl_ca {
+            if !matches!(
+                self.protocol,
+                Some(KafkaProtocol::Ssl | KafkaProtocol::SaslSsl)
+            ) {
+                return Err(Error::Config(
+                    "kafka_ssl_ca needs kafka_security_protocol ssl or sasl_ssl".into(),
+                ));
+            }
+            if !ca.is_file() {
+                return Err(Error::Config(format!(
+                    "kafka_ssl_ca {} does not exist or is not a file",
+                    ca.display()
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Raw librdkafka properties. Their values stay out of Debug output: they
@@ -155,6 +470,7 @@ impl Config {
             transaction_timeout: Duration::from_secs(300),
             dead_letter_topic: None,
             value_format: ValueFormat::Raw,
+            kafka_security: KafkaSecurity::default(),
             kafka_properties: KafkaProperties::default(),
         };
         config.validate()?;
@@ -179,6 +495,9 @@ impl Config {
     pub fn kafka_client(&self) -> rdkafka::ClientConfig {
         let mut client = rdkafka::ClientConfig::new();
         for (key, value) in &self.kafka_properties.0 {
+            client.set(key, value);
+        }
+        for (key, _, value) in self.kafka_security.properties() {
             client.set(key, value);
         }
         client.set("bootstrap.servers", &self.kafka_bootstrap);
@@ -210,13 +529,19 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<()> {
-        for (key, typed, ours) in self.typed_kafka_settings() {
+        self.kafka_security.validate()?;
+        let security = self
+            .kafka_security
+            .properties()
+            .into_iter()
+            .map(|(key, typed, value)| (key, typed, Some(value)));
+        for (key, typed, ours) in self.typed_kafka_settings().into_iter().chain(security) {
             let Some(raw) = self.kafka_properties.0.get(key) else {
                 continue;
             };
             let same = match (&ours, key) {
                 (Some(v), "acks") => raw == v || raw == "-1",
-                (Some(v), _) => raw == v,
+                (Some(v), _) => raw.eq_ignore_ascii_case(v),
                 (None, _) => false,
             };
             if !same {
@@ -336,6 +661,87 @@ mod tests {
     }
 
     #[test]
+    fn tls_parameters_are_read_with_libpq_meaning_and_the_rest_kept() {
+        let ca = std::env::temp_dir().join("pg_outbox unit ca.pem");
+        std::fs::write(&ca, "not checked here").expect("write");
+        let url = format!(
+            "postgres://u:p@db.internal:5433/app?connect_timeout=5&sslmode=verify-full&sslrootcert={}&application_name=x",
+            ca.display().to_string().replace(' ', "%20")
+        );
+        let target = PgTarget::parse(&url).expect("valid");
+        assert_eq!(target.tls().mode, SslMode::VerifyFull);
+        assert_eq!(target.tls().root_cert.as_deref(), Some(ca.as_path()));
+        assert_eq!(
+            target.sql_config().get_connect_timeout(),
+            Some(&Duration::from_secs(5)),
+            "other parameters still reach tokio-postgres"
+        );
+        assert_eq!(target.sql_config().get_application_name(), Some("x"));
+
+        let plain = PgTarget::parse("postgres://u@h/db").expect("valid");
+        assert_eq!(plain.tls().mode, SslMode::Prefer, "libpq's default");
+        assert!(!plain.tls().verifies_chain());
+        let keyword = PgTarget::parse("host=h user=u dbname=db sslmode=require").expect("valid");
+        assert_eq!(keyword.tls().mode, SslMode::Require);
+        assert!(
+            !keyword.tls().verifies_chain(),
+            "require alone does not verify"
+        );
+    }
+
+    #[test]
+    fn wrong_tls_parameters_are_refused_by_name() {
+        for (url, expected) in [
+            ("postgres://u@h/db?sslmode=verify", "sslmode \"verify\""),
+            (
+                "postgres://u@h/db?sslmode=require&sslcert=/etc/hostname",
+                "sslcert and sslkey",
+            ),
+            (
+                "postgres://u@h/db?sslmode=verify-ca&sslrootcert=/no/such/ca.pem",
+                "/no/such/ca.pem",
+            ),
+            (
+                "postgres://u@h/db?sslmode=disable&sslrootcert=/etc/hostname",
+                "contradicts",
+            ),
+        ] {
+            let err = PgTarget::parse(url).expect_err(url).to_string();
+            assert!(err.contains(expected), "{url}: {err}");
+        }
+    }
+
+    #[test]
+    fn kafka_security_settings_are_checked_together_and_hide_the_password() {
+        let mut c = Config::new("postgres://u@h/db", "k:9092").expect("valid");
+        c.kafka_security.sasl_username = Some("fwd".into());
+        let err = c
+            .validate()
+            .expect_err("SASL without a SASL protocol")
+            .to_string();
+        assert!(err.contains("sasl_ssl"), "{err}");
+        c.kafka_security.protocol = Some(KafkaProtocol::SaslSsl);
+        let err = c.validate().expect_err("no password").to_string();
+        assert!(err.contains("kafka_sasl_password"), "{err}");
+        c.kafka_security.sasl_password = Some("hunter2".into());
+        c.kafka_security.sasl_mechanism = Some(SaslMechanism::ScramSha512);
+        c.validate().expect("complete");
+        assert!(!format!("{c:?}").contains("hunter2"), "{c:?}");
+        let client = c.kafka_client();
+        assert_eq!(client.get("security.protocol"), Some("sasl_ssl"));
+        assert_eq!(client.get("sasl.mechanisms"), Some("SCRAM-SHA-512"));
+        c.kafka_properties
+            .0
+            .insert("security.protocol".into(), "PLAINTEXT".into());
+        let err = c.validate().expect_err("contradiction").to_string();
+        assert!(err.contains("kafka_security_protocol"), "{err}");
+        c.kafka_properties
+            .0
+            .insert("security.protocol".into(), "SASL_SSL".into());
+        c.validate().expect("the same value in capitals agrees");
+    }
+
+    #[test]
     fn bad_inputs_name_what_is_wrong() {
         let err = Config::new("postgres://u@h/", "k:9092").expect_err("no db");
         assert!(err.to_string().contains("no database"), "{err}");
@@ -371,6 +777,11 @@ pub struct FileConfig {
     pub value_format: Option<String>,
     pub metrics_listen: Option<String>,
     pub ready_max_lag_bytes: Option<u64>,
+    pub kafka_security_protocol: Option<String>,
+    pub kafka_sasl_mechanism: Option<String>,
+    pub kafka_sasl_username: Option<String>,
+    pub kafka_sasl_password: Option<String>,
+    pub kafka_ssl_ca: Option<String>,
     #[serde(default)]
     pub kafka_properties: std::collections::BTreeMap<String, String>,
 }
@@ -391,6 +802,11 @@ pub const FILE_KEYS: &[&str] = &[
     "value_format",
     "metrics_listen",
     "ready_max_lag_bytes",
+    "kafka_security_protocol",
+    "kafka_sasl_mechanism",
+    "kafka_sasl_username",
+    "kafka_sasl_password",
+    "kafka_ssl_ca",
     "kafka_properties",
 ];
 

@@ -67,6 +67,14 @@ impl Error {
             | Error::Layout(_)
             | Error::Fenced(_)
             | Error::Poison { .. } => false,
+            // A certificate that does not verify stays refused until an
+            // operator changes the certificate or the sslrootcert.
+            Error::Postgres(e) if certificate_refused(&describe_postgres(e)) => false,
+            Error::Replication(pgwire_replication::PgWireError::Tls(text))
+                if certificate_refused(text) =>
+            {
+                false
+            }
             Error::Postgres(e) => match e.code() {
                 // Class 28 (authorization), 42 (syntax, privilege, undefined
                 // object) and 3D (no such database) will not heal by retrying.
@@ -105,6 +113,12 @@ impl Error {
             _ => 1,
         }
     }
+}
+
+/// Whether a TLS failure is the server's certificate being refused (by
+/// OpenSSL on SQL connections, by rustls on the replication connection).
+fn certificate_refused(text: &str) -> bool {
+    text.contains("certificate verify failed") || text.contains("invalid peer certificate")
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

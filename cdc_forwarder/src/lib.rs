@@ -18,6 +18,7 @@ pub mod replication;
 pub mod routing;
 pub mod slot;
 pub mod status;
+pub mod tls;
 
 pub use config::Config;
 pub use error::{Error, Result};

@@ -2,7 +2,9 @@
 
 use std::process::ExitCode;
 
-use cdc_forwarder::config::{Delivery, FileConfig, KafkaProperties};
+use cdc_forwarder::config::{
+    Delivery, FileConfig, KafkaProperties, KafkaProtocol, KafkaSecurity, SaslMechanism,
+};
 use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::routing::ValueFormat;
 use cdc_forwarder::{check, pipeline, replay, slot, status, Config, Error};
@@ -140,6 +142,39 @@ struct RunArgs {
     /// /readyz fails while the slot's lag is above this many bytes.
     #[arg(long, env = "OUTBOX_READY_MAX_LAG_BYTES", default_value_t = 100 << 20)]
     ready_max_lag_bytes: u64,
+    /// How Kafka clients connect: plaintext, ssl, sasl-plaintext or sasl-ssl.
+    /// (TLS to PostgreSQL is set in the URL: ?sslmode=verify-full&sslrootcert=ca.pem.)
+    #[arg(long, value_enum, env = "OUTBOX_KAFKA_SECURITY_PROTOCOL")]
+    kafka_security_protocol: Option<KafkaProtocolArg>,
+    /// SASL mechanism for sasl-* protocols.
+    #[arg(long, value_enum, env = "OUTBOX_KAFKA_SASL_MECHANISM", default_value_t = SaslMechanismArg::Plain)]
+    kafka_sasl_mechanism: SaslMechanismArg,
+    /// SASL username.
+    #[arg(long, env = "OUTBOX_KAFKA_SASL_USERNAME")]
+    kafka_sasl_username: Option<String>,
+    /// SASL password; prefer the environment variable or the file over the
+    /// flag, which other users can see in the process list.
+    #[arg(long, env = "OUTBOX_KAFKA_SASL_PASSWORD", hide_env_values = true)]
+    kafka_sasl_password: Option<String>,
+    /// CA certificates (PEM file) that sign the brokers' certificates;
+    /// without it the system's trust store is used.
+    #[arg(long, env = "OUTBOX_KAFKA_SSL_CA")]
+    kafka_ssl_ca: Option<std::path::PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum KafkaProtocolArg {
+    Plaintext,
+    Ssl,
+    SaslPlaintext,
+    SaslSsl,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum SaslMechanismArg {
+    Plain,
+    ScramSha256,
+    ScramSha512,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -345,6 +380,26 @@ fn config_from(args: &RunArgs, file: &FileConfig, explicit: &[String]) -> Result
     };
     config.batch_max_events = args.batch_max_events;
     config.batch_max_time = std::time::Duration::from_millis(args.batch_max_ms);
+    let protocol = args.kafka_security_protocol.map(|p| match p {
+        KafkaProtocolArg::Plaintext => KafkaProtocol::Plaintext,
+        KafkaProtocolArg::Ssl => KafkaProtocol::Ssl,
+        KafkaProtocolArg::SaslPlaintext => KafkaProtocol::SaslPlaintext,
+        KafkaProtocolArg::SaslSsl => KafkaProtocol::SaslSsl,
+    });
+    let sasl = protocol
+        .is_some_and(|p| matches!(p, KafkaProtocol::SaslPlaintext | KafkaProtocol::SaslSsl));
+    config.kafka_security = KafkaSecurity {
+        protocol,
+        // The mechanism has a default; it applies only when SASL is used.
+        sasl_mechanism: sasl.then_some(match args.kafka_sasl_mechanism {
+            SaslMechanismArg::Plain => SaslMechanism::Plain,
+            SaslMechanismArg::ScramSha256 => SaslMechanism::ScramSha256,
+            SaslMechanismArg::ScramSha512 => SaslMechanism::ScramSha512,
+        }),
+        sasl_username: args.kafka_sasl_username.clone(),
+        sasl_password: args.kafka_sasl_password.clone(),
+        ssl_ca: args.kafka_ssl_ca.clone(),
+    };
     config.validate()?;
     Ok(config)
 }
@@ -373,6 +428,32 @@ impl RunArgs {
         take!(batch_max_ms);
         take!(dead_letter_topic);
         take!(ready_max_lag_bytes);
+        take!(kafka_sasl_username);
+        take!(kafka_sasl_password);
+        if !given("kafka_ssl_ca") {
+            if let Some(v) = &file.kafka_ssl_ca {
+                self.kafka_ssl_ca = Some(v.into());
+            }
+        }
+        if !given("kafka_security_protocol") {
+            if let Some(v) = &file.kafka_security_protocol {
+                let parsed = KafkaProtocolArg::from_str(&v.replace('_', "-"), true).map_err(|_| {
+                    Error::Config(format!(
+                        "config file: kafka_security_protocol {v:?} is not plaintext, ssl, sasl_plaintext or sasl_ssl"
+                    ))
+                })?;
+                self.kafka_security_protocol = Some(parsed);
+            }
+        }
+        if !given("kafka_sasl_mechanism") {
+            if let Some(v) = &file.kafka_sasl_mechanism {
+                self.kafka_sasl_mechanism = SaslMechanismArg::from_str(v, true).map_err(|_| {
+                    Error::Config(format!(
+                        "config file: kafka_sasl_mechanism {v:?} is not PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512"
+                    ))
+                })?;
+            }
+        }
         if !given("delivery") {
             if let Some(v) = &file.delivery {
                 self.delivery = DeliveryArg::from_str(v, false).map_err(|_| {

@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent, TlsConfig};
+use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -62,7 +62,7 @@ impl ReplicationStream {
             config.publication.clone(),
         )
         .with_port(pg.port())
-        .with_tls(TlsConfig::disabled())
+        .with_tls(crate::tls::replication_tls(pg.tls(), &pg.host()))
         .with_start_lsn(pgwire_replication::Lsn::ZERO)
         .with_status_interval(Duration::from_millis(100))
         .with_options("-c TimeZone=UTC -c DateStyle=ISO")

@@ -3,23 +3,36 @@
 
 use tokio_postgres::{Client, NoTls};
 
-use crate::config::{Config, PgTarget};
+use crate::config::{Config, PgTarget, SslMode};
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 
 /// Opens an ordinary SQL connection; the connection task runs in the background.
 pub async fn connect(target: &PgTarget) -> Result<Client> {
-    let (client, connection) = target.sql_config().connect(NoTls).await?;
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::debug!(error = %error, "sql connection closed");
-        }
-    });
+    let client = if target.tls().mode == SslMode::Disable {
+        let (client, connection) = target.sql_config().connect(NoTls).await?;
+        tokio::spawn(watch_connection(connection));
+        client
+    } else {
+        let tls = crate::tls::sql_connector(target.tls())?;
+        let (client, connection) = target.sql_config().connect(tls).await?;
+        tokio::spawn(watch_connection(connection));
+        client
+    };
     // Timestamps in the same text form as the replication stream's.
     client
         .batch_execute("SET TimeZone = 'UTC'; SET DateStyle = 'ISO'")
         .await?;
     Ok(client)
+}
+
+async fn watch_connection<F>(connection: F)
+where
+    F: std::future::Future<Output = std::result::Result<(), tokio_postgres::Error>>,
+{
+    if let Err(error) = connection.await {
+        tracing::debug!(error = %error, "sql connection closed");
+    }
 }
 
 /// Checks that the database can feed the forwarder and creates the

@@ -41,6 +41,41 @@ impl Stack {
     }
 }
 
+/// The stack's TLS endpoints and test credentials, also printed by
+/// `scripts/stack up`: its CA, a CA that signed nothing of it, and the
+/// broker's SASL_SSL listener with its one user.
+#[derive(Debug, Clone)]
+pub struct Secured {
+    pub ca: String,
+    pub other_ca: String,
+    pub kafka: String,
+    pub sasl_user: String,
+    pub sasl_password: String,
+}
+
+impl Secured {
+    pub fn from_env() -> Secured {
+        let get = |key: &str| {
+            std::env::var(key).unwrap_or_else(|_| {
+                panic!("{key} is not set: export the output of scripts/stack up")
+            })
+        };
+        Secured {
+            ca: get("TLS_CA"),
+            other_ca: get("TLS_OTHER_CA"),
+            kafka: get("KAFKA_TLS_BOOTSTRAP"),
+            sasl_user: get("KAFKA_SASL_USER"),
+            sasl_password: get("KAFKA_SASL_PASSWORD"),
+        }
+    }
+
+    /// The forwarder's URL for `db` by host name, with TLS verified against `ca`.
+    pub fn postgres_url(&self, db: &TestDb, sslmode: &str, ca: &str) -> String {
+        let url = db.forwarder_url().replace("@127.0.0.1:", "@localhost:");
+        format!("{url}?sslmode={sslmode}&sslrootcert={ca}")
+    }
+}
+
 /// A random lower-case suffix that keeps one test's objects apart from another's.
 pub fn unique(prefix: &str) -> String {
     let n: u64 = rand::rng().random();
@@ -247,15 +282,22 @@ impl Forwarder {
     /// Starts the forwarder with extra arguments and environment variables
     /// (`OUTBOX_FAULT` arms a fault point).
     pub fn spawn_with_env(db: &TestDb, extra: &[&str], env: &[(&str, &str)]) -> Forwarder {
+        let url = db.forwarder_url();
+        let mut args = vec!["--postgres-url", &url, "--kafka-bootstrap", &db.stack.kafka];
+        args.extend(extra);
+        Self::spawn_connected(db, &args, env)
+    }
+
+    /// Starts the forwarder with arguments that include how it connects to
+    /// PostgreSQL and Kafka.
+    pub fn spawn_connected(db: &TestDb, args: &[&str], env: &[(&str, &str)]) -> Forwarder {
         let log = std::env::temp_dir().join(format!("{}-{}.log", db.name, unique("fwd")));
         let file = std::fs::File::create(&log).expect("log file");
         let child = Command::new(forwarder_bin())
             .arg("run")
-            .args(["--postgres-url", &db.forwarder_url()])
-            .args(["--kafka-bootstrap", &db.stack.kafka])
             .args(["--slot", &db.slot])
             .args(["--topic-template", &db.topic_template()])
-            .args(extra)
+            .args(args)
             .env("OUTBOX_LOG", "info,cdc_forwarder=debug")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
