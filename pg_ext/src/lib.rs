@@ -11,8 +11,10 @@ use pgrx::prelude::*;
 
 ::pgrx::pg_module_magic!(name, version);
 
+mod emit;
+
 /// `pg_outbox.max_payload_bytes`: the largest payload emit_event accepts.
-static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
+pub(crate) static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
 
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
@@ -41,7 +43,12 @@ extension_sql_file!("../sql/api.sql", name = "api", requires = [uuid_v7]);
 extension_sql_file!(
     "../sql/pg_outbox--0.1.0--0.2.0.sql",
     name = "v0_2_0",
-    requires = ["api"],
+    requires = ["api"]
+);
+extension_sql_file!(
+    "../sql/pg_outbox--0.2.0--0.3.0.sql",
+    name = "v0_3_0",
+    requires = ["v0_2_0"],
     finalize
 );
 

@@ -1,6 +1,6 @@
 //! The extension's SQL API seen from outside, with several connections:
 //! validation, privileges, concurrency, the inbox, retention and status.
-//! Run again by scripts/test on an extension upgraded from 0.1.0.
+//! Run again by scripts/test on extensions upgraded from 0.1.0 and 0.2.0.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -99,7 +99,7 @@ async fn every_bad_argument_gets_its_own_sqlstate_and_writes_nothing() {
     assert!(wrong.is_empty(), "wrong SQLSTATEs:\n{}", wrong.join("\n"));
     for table in [
         "events",
-        "aggregates",
+        "sequence_floors",
         "idempotency_keys",
         "inbox",
         "inbox_consumers",
@@ -167,9 +167,11 @@ async fn an_application_can_emit_but_never_touch_the_tables() {
         "UPDATE outbox.events SET payload = '{}'",
         "DELETE FROM outbox.events",
         "SELECT * FROM outbox.events",
-        "UPDATE outbox.aggregates SET last_seq = 0",
-        "INSERT INTO outbox.aggregates VALUES ('order', 'o-1', 0)",
-        "DELETE FROM outbox.aggregates",
+        "INSERT INTO outbox.sequence_floors VALUES ('order', 'o-1', 0)",
+        "UPDATE outbox.sequence_floors SET last_seq = 0",
+        "DELETE FROM outbox.sequence_floors",
+        "SELECT outbox.lock_aggregate('order', 'o-1')",
+        "SELECT * FROM outbox.check_emit('a', 'b', 'c', '{}', NULL, 1, NULL, NULL, NULL)",
         "TRUNCATE outbox.events",
         "SELECT outbox.record_relay_progress('s', '0/0')",
         "SELECT outbox.forget_relay('s')",
@@ -566,14 +568,15 @@ async fn retention_prunes_only_what_the_forwarder_confirmed() {
     let db = TestDb::create("retention").await;
     let topic = db.create_topic("note", 1).await;
     let client = db.admin().await;
+    // Five events of one aggregate at a time.
     let emit_five = |label: &'static str| {
         let client = &client;
         async move {
-            for i in 0..5 {
+            for _ in 0..5 {
                 client
                     .query_one(
-                        "SELECT 1 FROM outbox.emit_event('note', $1, 'Written', '{}')",
-                        &[&format!("{label}-{i}")],
+                        "SELECT 1 FROM outbox.emit_event('note', 'n-1', 'Written', $1::text::jsonb)",
+                        &[&format!("\"{label}\"")],
                     )
                     .await
                     .expect("emit");
@@ -592,13 +595,18 @@ async fn retention_prunes_only_what_the_forwarder_confirmed() {
     reader
         .read_until(WAIT, "the first five", |r| r.len() >= 5)
         .await;
-    prune_until(&client, 5).await;
+    // The newest event stays: it carries the aggregate's numbering.
+    prune_until(&client, 4).await;
 
     // Written while the forwarder is down: never pruned before delivery.
     forwarder.kill9().await;
     db.wait_slot_inactive(WAIT).await;
     emit_five("while_down").await;
-    assert_eq!(prune(&client).await, 0);
+    assert_eq!(
+        prune(&client).await,
+        1,
+        "only the delivered event that is no longer the newest"
+    );
     let status = client
         .query_one("SELECT active, caught_up, unforwarded_events FROM outbox.status() WHERE slot_name = $1", &[&db.slot])
         .await
@@ -615,8 +623,14 @@ async fn retention_prunes_only_what_the_forwarder_confirmed() {
     reader
         .read_until(WAIT, "the five written while down", |r| r.len() >= 10)
         .await;
-    prune_until(&client, 5).await;
-    assert_eq!(count(&client, "events").await, 0);
+    prune_until(&client, 4).await;
+    assert_eq!(count(&client, "events").await, 1);
+    let newest: i64 = client
+        .query_one("SELECT outbox.current_seq('note', 'n-1')", &[])
+        .await
+        .expect("current_seq")
+        .get(0);
+    assert_eq!(newest, 10, "the numbering survives pruning");
     let status = client
         .query_one("SELECT active, lag_bytes, unforwarded_events FROM outbox.status() WHERE slot_name = $1", &[&db.slot])
         .await
@@ -685,4 +699,108 @@ async fn an_upgraded_extension_equals_a_fresh_one() {
             .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
             .await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeatable_read_writers_number_after_what_committed_meanwhile() {
+    let db = TestDb::create("rr").await;
+    let mut early = db.admin().await;
+    let late = db.admin().await;
+    let emit = "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')";
+    let tx = early
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .start()
+        .await
+        .expect("begin");
+    // The transaction's snapshot is taken here, before the other commit.
+    assert_eq!(
+        tx.query_one("SELECT outbox.current_seq('order', 'o-1')", &[])
+            .await
+            .expect("read")
+            .get::<_, i64>(0),
+        0
+    );
+    assert_eq!(
+        late.query_one(emit, &[])
+            .await
+            .expect("emit")
+            .get::<_, i64>(0),
+        1
+    );
+    let seq: i64 = tx
+        .query_one(emit, &[])
+        .await
+        .expect("no unique violation")
+        .get(0);
+    assert_eq!(seq, 2, "numbered after the event its snapshot cannot see");
+    tx.commit().await.expect("commit");
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_from_0_2_0_keeps_every_numbering_and_idempotency_key() {
+    let stack = pg_outbox_tests::Stack::from_env();
+    let name = unique("t_from020");
+    connect(&stack.admin_url)
+        .await
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .expect("create");
+    let client = connect(&with_database(&stack.admin_url, &name)).await;
+    client
+        .batch_execute(
+            "CREATE EXTENSION pg_outbox VERSION '0.2.0';
+             SELECT outbox.emit_event('order', 'gone', 'E', '{}') FROM generate_series(1, 3);
+             SELECT outbox.emit_event('order', 'kept', 'E', '{}') FROM generate_series(1, 2);
+             SELECT outbox.emit_event('pay', 'p-1', 'Captured', '{}', idempotency_key => 'req-1');
+             -- what a 0.2.0 prune could do: every event of an aggregate gone
+             DELETE FROM outbox.events WHERE aggregate_id = 'gone';
+             ALTER EXTENSION pg_outbox UPDATE;",
+        )
+        .await
+        .expect("0.2.0 with events, then the upgrade");
+    let next = |id: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .query_one(
+                    "SELECT aggregate_seq FROM outbox.emit_event('order', $1, 'E', '{}')",
+                    &[&id],
+                )
+                .await
+                .expect("emit")
+                .get::<_, i64>(0)
+        }
+    };
+    assert_eq!(
+        next("gone").await,
+        4,
+        "numbering resumes after pruned events"
+    );
+    assert_eq!(next("kept").await, 3);
+    let replay = client
+        .query_one(
+            "SELECT e.event_id = k.event_id, k.aggregate_seq, k.replayed
+               FROM outbox.events e,
+                    outbox.emit_event('pay', 'p-1', 'Captured', '{}', idempotency_key => 'req-1') k
+              WHERE e.aggregate_type = 'pay' AND e.aggregate_id = 'p-1'",
+            &[],
+        )
+        .await
+        .expect("replay");
+    assert_eq!(
+        (
+            replay.get::<_, bool>(0),
+            replay.get::<_, i64>(1),
+            replay.get::<_, bool>(2)
+        ),
+        (true, 1, true),
+        "a key stored by 0.2.0 still replays its event"
+    );
+    drop(client);
+    let _ = connect(&stack.admin_url)
+        .await
+        .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+        .await;
 }

@@ -1,0 +1,528 @@
+//! `outbox.emit_event` and the sequence primitive it shares with
+//! `outbox.emit_events`, in Rust: one C function call with cached plans in
+//! place of a PL/pgSQL interpreter run.
+//!
+//! How a sequence number is taken: a transaction-scoped advisory lock on the
+//! aggregate (held until commit, so writers of one aggregate queue up and
+//! commit in sequence order; writers of different aggregates never wait for
+//! each other), then the aggregate's newest sequence read through the
+//! unique key of `outbox.events` with the latest snapshot, so that even a
+//! REPEATABLE READ caller numbers after every committed event. No counter
+//! row is written. Retention keeps each aggregate's newest event, and
+//! `outbox.sequence_floors` remembers aggregates whose events a 0.2.0 prune
+//! removed entirely.
+//!
+//! Validation is checked here for the common case only: anything unusual
+//! (headers, a doubtful value) goes to the PL/pgSQL `outbox.check_emit`,
+//! which names the broken rule with its SQLSTATE and hint, so the rules and
+//! their messages live in one place (shared with the batch form).
+
+use std::cell::Cell;
+use std::ffi::CStr;
+
+use pgrx::pg_sys::{self, Datum, Oid};
+use pgrx::varlena::{varatt_is_1b_e, varatt_is_4b_c, vardata_any, varsize_any, varsize_any_exhdr};
+
+use crate::MAX_PAYLOAD_BYTES;
+
+/// Plans kept for the life of the backend; PostgreSQL revalidates them
+/// when the tables change.
+#[derive(Clone, Copy)]
+struct Plans {
+    latest: pg_sys::SPIPlanPtr,
+    claim_key: pg_sys::SPIPlanPtr,
+    first_for_key: pg_sys::SPIPlanPtr,
+    insert: pg_sys::SPIPlanPtr,
+}
+
+thread_local! {
+    static PLANS: Cell<Option<Plans>> = const { Cell::new(None) };
+}
+
+// Built-in functions called through the function manager; pgrx's wrappers
+// are Rust functions, not the C entry points DirectFunctionCall needs.
+extern "C-unwind" {
+    fn hashtext(fcinfo: pg_sys::FunctionCallInfo) -> Datum;
+    fn pg_advisory_xact_lock_int4(fcinfo: pg_sys::FunctionCallInfo) -> Datum;
+}
+
+const TEXT: Oid = pg_sys::TEXTOID;
+const INT8: Oid = pg_sys::INT8OID;
+
+unsafe fn prepare(sql: &CStr, types: &[Oid]) -> pg_sys::SPIPlanPtr {
+    let mut types = types.to_vec();
+    let plan = pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr());
+    if plan.is_null() {
+        pgrx::error!("pg_outbox: cannot prepare an internal statement");
+    }
+    pg_sys::SPI_keepplan(plan);
+    plan
+}
+
+/// Must run inside SPI_connect.
+unsafe fn plans() -> Plans {
+    if let Some(plans) = PLANS.with(Cell::get) {
+        return plans;
+    }
+    let plans = Plans {
+        latest: prepare(
+            c"SELECT coalesce(
+                 (SELECT e.aggregate_seq FROM outbox.events e
+                   WHERE e.aggregate_type = $1 AND e.aggregate_id = $2
+                   ORDER BY e.aggregate_seq DESC LIMIT 1),
+                 (SELECT f.last_seq FROM outbox.sequence_floors f
+                   WHERE f.aggregate_type = $1 AND f.aggregate_id = $2),
+                 0)",
+            &[TEXT, TEXT],
+        ),
+        claim_key: prepare(
+            c"INSERT INTO outbox.idempotency_keys
+                     (aggregate_type, idempotency_key, event_id, aggregate_id, aggregate_seq)
+              VALUES ($1, $2, $3, $4, $5)
+              ON CONFLICT (aggregate_type, idempotency_key) DO NOTHING",
+            &[TEXT, TEXT, pg_sys::UUIDOID, TEXT, INT8],
+        ),
+        first_for_key: prepare(
+            c"SELECT k.event_id, k.aggregate_seq FROM outbox.idempotency_keys k
+               WHERE k.aggregate_type = $1 AND k.idempotency_key = $2",
+            &[TEXT, TEXT],
+        ),
+        insert: prepare(
+            c"INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq,
+                                         event_type, schema_version, payload, headers, topic)
+              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            &[
+                pg_sys::UUIDOID,
+                TEXT,
+                TEXT,
+                INT8,
+                TEXT,
+                pg_sys::INT4OID,
+                pg_sys::JSONBOID,
+                pg_sys::JSONBOID,
+                TEXT,
+            ],
+        ),
+    };
+    PLANS.with(|p| p.set(Some(plans)));
+    plans
+}
+
+/// Runs a plan; NULL arguments are `None`.
+unsafe fn execute(
+    plan: pg_sys::SPIPlanPtr,
+    args: &[Option<Datum>],
+    snapshot: pg_sys::Snapshot,
+) -> u64 {
+    let mut values: Vec<Datum> = args.iter().map(|a| a.unwrap_or(Datum::from(0))).collect();
+    let nulls: Vec<std::ffi::c_char> = args
+        .iter()
+        .map(|a| if a.is_some() { b' ' } else { b'n' } as std::ffi::c_char)
+        .collect();
+    let rc = pg_sys::SPI_execute_snapshot(
+        plan,
+        values.as_mut_ptr(),
+        nulls.as_ptr(),
+        snapshot,
+        std::ptr::null_mut(),
+        false,
+        true,
+        0,
+    );
+    if rc < 0 {
+        pgrx::error!("pg_outbox: an internal statement failed (SPI result {rc})");
+    }
+    pg_sys::SPI_processed
+}
+
+/// Column `column` (from 1) of the first result row.
+unsafe fn first_value(column: i32) -> Option<Datum> {
+    let table = pg_sys::SPI_tuptable;
+    if table.is_null() || pg_sys::SPI_processed == 0 {
+        return None;
+    }
+    let mut is_null = false;
+    let value = pg_sys::SPI_getbinval(*(*table).vals, (*table).tupdesc, column, &mut is_null);
+    (!is_null).then_some(value)
+}
+
+unsafe fn prepare_once(sql: &CStr, types: &[Oid]) -> pg_sys::SPIPlanPtr {
+    let mut types = types.to_vec();
+    let plan = pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr());
+    if plan.is_null() {
+        pgrx::error!("pg_outbox: cannot prepare an internal statement");
+    }
+    plan
+}
+
+unsafe fn bytes<'a>(text: Datum) -> &'a [u8] {
+    let v = pg_sys::pg_detoast_datum_packed(text.cast_mut_ptr());
+    std::slice::from_raw_parts(vardata_any(v) as *const u8, varsize_any_exhdr(v))
+}
+
+fn topic_safe(name: &[u8]) -> bool {
+    !name.is_empty()
+        && name
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Takes the aggregate's lock until the end of the transaction and returns
+/// its newest sequence number (0 for a new aggregate). Must run inside
+/// SPI_connect.
+unsafe fn lock_and_read_latest(aggregate_type: Datum, aggregate_id: Datum) -> i64 {
+    let hash = |text: Datum| {
+        pg_sys::DirectFunctionCall1Coll(Some(hashtext), pg_sys::C_COLLATION_OID, text)
+    };
+    pg_sys::DirectFunctionCall2Coll(
+        Some(pg_advisory_xact_lock_int4),
+        pg_sys::InvalidOid,
+        hash(aggregate_type),
+        hash(aggregate_id),
+    );
+    // The latest snapshot, taken after the lock: every event of this
+    // aggregate that committed before is in it, whatever the isolation level.
+    execute(
+        plans().latest,
+        &[Some(aggregate_type), Some(aggregate_id)],
+        pg_sys::GetLatestSnapshot(),
+    );
+    first_value(1).map_or(0, |d| d.value() as i64)
+}
+
+/// `outbox.lock_aggregate(aggregate_type, aggregate_id)`: the primitive of
+/// the batch form, which calls it for each aggregate in sorted order.
+#[no_mangle]
+pub extern "C" fn pg_finfo_lock_aggregate() -> &'static pg_sys::Pg_finfo_record {
+    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+/// # Safety
+/// Called by PostgreSQL through the function manager, as a STRICT function.
+#[no_mangle]
+#[pgrx::pg_guard]
+pub unsafe extern "C-unwind" fn lock_aggregate(fcinfo: pg_sys::FunctionCallInfo) -> Datum {
+    let aggregate_type = pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, 0);
+    let aggregate_id = pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, 1);
+    pg_sys::SPI_connect();
+    let latest = lock_and_read_latest(aggregate_type, aggregate_id);
+    pg_sys::SPI_finish();
+    Datum::from(latest)
+}
+
+#[no_mangle]
+pub extern "C" fn pg_finfo_emit_event() -> &'static pg_sys::Pg_finfo_record {
+    const V1: pg_sys::Pg_finfo_record = pg_sys::Pg_finfo_record { api_version: 1 };
+    &V1
+}
+
+/// `outbox.emit_event(aggregate_type, aggregate_id, event_type, payload,
+/// headers, schema_version, expected_seq, idempotency_key, topic)`
+/// returning `(event_id, aggregate_seq, replayed)`.
+///
+/// # Safety
+/// Called by PostgreSQL through the function manager with the argument
+/// types of its SQL declaration.
+#[no_mangle]
+#[pgrx::pg_guard]
+pub unsafe extern "C-unwind" fn emit_event(fcinfo: pg_sys::FunctionCallInfo) -> Datum {
+    match emit(fcinfo) {
+        Ok(row) => row,
+        // Raised here, with every Rust value of the call already dropped.
+        Err(refusal) => refusal.raise(),
+    }
+}
+
+unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
+    let arg = |n: usize| {
+        (!pgrx::fcinfo::pg_arg_is_null(fcinfo, n))
+            .then(|| pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n))
+    };
+    let args: [Option<Datum>; 9] = std::array::from_fn(arg);
+    let [aggregate_type, aggregate_id, event_type, payload, headers, schema_version, expected_seq, key, topic] =
+        args;
+
+    pg_sys::SPI_connect();
+    if !plainly_valid(&args) {
+        if let Some(refusal) = check_emit(&args) {
+            pg_sys::SPI_finish();
+            return Err(refusal);
+        }
+    }
+    let (Some(aggregate_type), Some(aggregate_id)) = (aggregate_type, aggregate_id) else {
+        pgrx::error!("pg_outbox: validation let a NULL identifier through");
+    };
+
+    let latest = lock_and_read_latest(aggregate_type, aggregate_id);
+    let seq = latest + 1;
+    let id_bytes = uuid::Uuid::now_v7().into_bytes();
+    // In SPI's memory: for the statements only.
+    let event_id = uuid_datum(id_bytes);
+
+    if let Some(key) = key {
+        let plans = plans();
+        let claimed = execute(
+            plans.claim_key,
+            &[
+                Some(aggregate_type),
+                Some(key),
+                Some(event_id),
+                Some(aggregate_id),
+                Some(Datum::from(seq)),
+            ],
+            std::ptr::null_mut(),
+        );
+        if claimed == 0 {
+            // A call with this key committed before: its event, unchanged.
+            execute(
+                plans.first_for_key,
+                &[Some(aggregate_type), Some(key)],
+                std::ptr::null_mut(),
+            );
+            let first_id = first_value(1).map(|d| copy_uuid(d));
+            let first_seq = first_value(2);
+            pg_sys::SPI_finish();
+            return Ok(result(fcinfo, first_id, first_seq, true));
+        }
+    }
+    if let Some(expected) = expected_seq {
+        let expected = expected.value() as i64;
+        if expected != latest {
+            let refusal = Refusal::sequence_conflict(
+                bytes(aggregate_type),
+                bytes(aggregate_id),
+                expected,
+                latest,
+            );
+            pg_sys::SPI_finish();
+            return Err(refusal);
+        }
+    }
+    let schema_version = schema_version.unwrap_or(Datum::from(1_i32));
+    execute(
+        plans().insert,
+        &[
+            Some(event_id),
+            Some(aggregate_type),
+            Some(aggregate_id),
+            Some(Datum::from(seq)),
+            event_type,
+            Some(schema_version),
+            payload,
+            headers,
+            topic,
+        ],
+        std::ptr::null_mut(),
+    );
+    pg_sys::SPI_finish();
+    Ok(result(
+        fcinfo,
+        Some(id_bytes),
+        Some(Datum::from(seq)),
+        false,
+    ))
+}
+
+/// An error to raise with its own SQLSTATE. (Raised through pgrx, a
+/// SQLSTATE that PostgreSQL does not define would become XX000.)
+struct Refusal {
+    sqlstate: [u8; 5],
+    message: String,
+    detail: Option<String>,
+    hint: Option<String>,
+}
+
+impl Refusal {
+    fn sequence_conflict(
+        aggregate_type: &[u8],
+        aggregate_id: &[u8],
+        expected: i64,
+        actual: i64,
+    ) -> Refusal {
+        let aggregate_type = String::from_utf8_lossy(aggregate_type);
+        let aggregate_id = String::from_utf8_lossy(aggregate_id);
+        Refusal {
+            sqlstate: *b"PO101",
+            message: format!(
+                "sequence conflict on {aggregate_type} {}: expected {expected}, actual {actual}",
+                quote_literal(&aggregate_id)
+            ),
+            detail: Some(format!("expected_seq={expected} actual_seq={actual}")),
+            hint: Some(
+                "Another writer changed the aggregate: reload it, decide again, and retry with the new sequence."
+                    .into(),
+            ),
+        }
+    }
+
+    /// ereport(ERROR): does not return.
+    unsafe fn raise(self) -> ! {
+        extern "C-unwind" {
+            fn errstart(elevel: std::ffi::c_int, domain: *const std::ffi::c_char) -> bool;
+            fn errcode(sqlerrcode: std::ffi::c_int) -> std::ffi::c_int;
+            fn errmsg(fmt: *const std::ffi::c_char, ...) -> std::ffi::c_int;
+            fn errdetail(fmt: *const std::ffi::c_char, ...) -> std::ffi::c_int;
+            fn errhint(fmt: *const std::ffi::c_char, ...) -> std::ffi::c_int;
+            fn errfinish(
+                filename: *const std::ffi::c_char,
+                lineno: std::ffi::c_int,
+                funcname: *const std::ffi::c_char,
+            );
+        }
+        // Copies in PostgreSQL memory, then nothing of Rust's is left to drop.
+        let pg = |text: &str| {
+            pg_sys::pstrdup(
+                std::ffi::CString::new(text.replace('\0', ""))
+                    .unwrap_or_default()
+                    .as_ptr(),
+            )
+        };
+        let code = self.sqlstate.iter().enumerate().fold(0, |acc, (i, c)| {
+            acc | ((((*c as i32) - ('0' as i32)) & 0x3F) << (6 * i))
+        });
+        let message = pg(&self.message);
+        let detail = self.detail.as_deref().map(pg);
+        let hint = self.hint.as_deref().map(pg);
+        drop(self);
+        if errstart(pgrx::PgLogLevel::ERROR as _, std::ptr::null()) {
+            errcode(code);
+            errmsg(c"%s".as_ptr(), message);
+            if let Some(detail) = detail {
+                errdetail(c"%s".as_ptr(), detail);
+            }
+            if let Some(hint) = hint {
+                errhint(c"%s".as_ptr(), hint);
+            }
+            errfinish(c"emit.rs".as_ptr(), line!() as _, c"emit_event".as_ptr());
+        }
+        unreachable!("ereport(ERROR) returned")
+    }
+}
+
+/// SQL's quote_literal.
+fn quote_literal(text: &str) -> String {
+    let quoted = text.replace('\'', "''");
+    if quoted.contains('\\') {
+        format!("E'{}'", quoted.replace('\\', "\\\\"))
+    } else {
+        format!("'{quoted}'")
+    }
+}
+
+/// Runs `outbox.check_emit`, which names the first rule the call breaks.
+unsafe fn check_emit(args: &[Option<Datum>; 9]) -> Option<Refusal> {
+    let plan = prepare_once(
+        c"SELECT * FROM outbox.check_emit($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        &[
+            TEXT,
+            TEXT,
+            TEXT,
+            pg_sys::JSONBOID,
+            pg_sys::JSONBOID,
+            pg_sys::INT4OID,
+            INT8,
+            TEXT,
+            TEXT,
+        ],
+    );
+    execute(plan, args, std::ptr::null_mut());
+    let text =
+        |column: i32| first_value(column).map(|d| String::from_utf8_lossy(bytes(d)).into_owned());
+    let refusal = text(1).map(|sqlstate| Refusal {
+        sqlstate: sqlstate.as_bytes().try_into().unwrap_or(*b"XX000"),
+        message: text(2).unwrap_or_default(),
+        detail: text(3).filter(|d| !d.is_empty()),
+        hint: text(4).filter(|h| !h.is_empty()),
+    });
+    pg_sys::SPI_freeplan(plan);
+    refusal
+}
+
+/// The common case, checked without leaving Rust: every rule of
+/// `outbox.check_emit` holds for values that pass here (the converse need
+/// not hold; such calls take the PL/pgSQL path).
+unsafe fn plainly_valid(args: &[Option<Datum>; 9]) -> bool {
+    let [aggregate_type, aggregate_id, event_type, payload, headers, schema_version, expected_seq, key, topic] =
+        *args;
+    let (Some(at), Some(id), Some(et), Some(payload), Some(version)) = (
+        aggregate_type,
+        aggregate_id,
+        event_type,
+        payload,
+        schema_version,
+    ) else {
+        return false;
+    };
+    if headers.is_some() {
+        return false;
+    }
+    let at = bytes(at);
+    let id = bytes(id);
+    let et = bytes(et);
+    let p = payload.cast_mut_ptr::<pg_sys::varlena>();
+    let payload_ok = !varatt_is_1b_e(p)
+        && !varatt_is_4b_c(p)
+        && varsize_any(p) <= MAX_PAYLOAD_BYTES.get().max(0) as usize;
+    let key_ok = key.is_none_or(|k| (1..=255).contains(&bytes(k).len()));
+    let topic_ok = topic.is_none_or(|t| {
+        let t = bytes(t);
+        t.len() <= 249 && topic_safe(t) && t != b"." && t != b".."
+    });
+    at.len() <= 128
+        && topic_safe(at)
+        && !id.is_empty()
+        && id.len() <= 512
+        && !et.is_empty()
+        && et.len() <= 255
+        && payload_ok
+        && version.value() as i32 >= 1
+        && expected_seq.is_none_or(|e| e.value() as i64 >= 0)
+        && key_ok
+        && topic_ok
+}
+
+unsafe fn uuid_datum(bytes: [u8; 16]) -> Datum {
+    let ptr = pg_sys::palloc(16) as *mut u8;
+    std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, 16);
+    Datum::from(ptr)
+}
+
+/// Copies a uuid out of SPI's memory, which SPI_finish frees.
+unsafe fn copy_uuid(datum: Datum) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    std::ptr::copy_nonoverlapping(datum.cast_mut_ptr::<u8>(), out.as_mut_ptr(), 16);
+    out
+}
+
+/// The `(event_id, aggregate_seq, replayed)` row.
+unsafe fn result(
+    fcinfo: pg_sys::FunctionCallInfo,
+    event_id: Option<[u8; 16]>,
+    seq: Option<Datum>,
+    replayed: bool,
+) -> Datum {
+    // The row type, blessed once per call site and kept with the function's cache.
+    let flinfo = (*fcinfo).flinfo;
+    let mut tupdesc = (*flinfo).fn_extra as pg_sys::TupleDesc;
+    if tupdesc.is_null() {
+        let mut described: pg_sys::TupleDesc = std::ptr::null_mut();
+        if pg_sys::get_call_result_type(fcinfo, std::ptr::null_mut(), &mut described)
+            != pg_sys::TypeFuncClass::TYPEFUNC_COMPOSITE
+        {
+            pgrx::error!("pg_outbox: emit_event must return a row");
+        }
+        let previous = pg_sys::MemoryContextSwitchTo((*flinfo).fn_mcxt);
+        tupdesc = pg_sys::BlessTupleDesc(pg_sys::CreateTupleDescCopy(described));
+        pg_sys::MemoryContextSwitchTo(previous);
+        (*flinfo).fn_extra = tupdesc.cast();
+    }
+    let mut values = [
+        event_id.map_or(Datum::from(0), |b| uuid_datum(b)),
+        seq.unwrap_or(Datum::from(0)),
+        Datum::from(replayed),
+    ];
+    let mut nulls = [event_id.is_none(), seq.is_none(), false];
+    let tuple = pg_sys::heap_form_tuple(tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
+    pg_sys::HeapTupleHeaderGetDatum((*tuple).t_data)
+}
