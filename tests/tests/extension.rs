@@ -804,3 +804,49 @@ async fn an_upgrade_from_0_2_0_keeps_every_numbering_and_idempotency_key() {
         .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
         .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_insert_trigger_added_to_the_events_table_still_fires() {
+    // emit_event inserts without the executor only while the table has no
+    // insert trigger; once one is added, the row goes through SQL again.
+    let db = TestDb::create("trigger").await;
+    let client = db.admin().await;
+    let emit = "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')";
+    assert_eq!(
+        client
+            .query_one(emit, &[])
+            .await
+            .expect("emit")
+            .get::<_, i64>(0),
+        1
+    );
+    client
+        .batch_execute(
+            "CREATE TABLE public.seen (seq bigint);
+             CREATE FUNCTION public.note() RETURNS trigger LANGUAGE plpgsql
+                 AS $$ BEGIN INSERT INTO public.seen VALUES (NEW.aggregate_seq); RETURN NEW; END $$;
+             CREATE TRIGGER note AFTER INSERT ON outbox.events
+                 FOR EACH ROW EXECUTE FUNCTION public.note();",
+        )
+        .await
+        .expect("trigger");
+    for expected in [2, 3] {
+        assert_eq!(
+            client
+                .query_one(emit, &[])
+                .await
+                .expect("emit")
+                .get::<_, i64>(0),
+            expected
+        );
+    }
+    let seen: Vec<i64> = client
+        .query("SELECT seq FROM public.seen ORDER BY seq", &[])
+        .await
+        .expect("seen")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(seen, vec![2, 3]);
+    db.drop().await;
+}
