@@ -332,20 +332,20 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
             return Err(refusal);
         }
     }
-    let row = [
-        Some(event_id),
-        Some(aggregate_type),
-        Some(aggregate_id),
-        Some(Datum::from(seq)),
-        event_type,
-        Some(schema_version),
-        payload,
-        headers,
-        topic,
-    ];
-    if !insert_direct(&row) {
-        execute(plans.insert, &row);
-    }
+    execute(
+        plans.insert,
+        &[
+            Some(event_id),
+            Some(aggregate_type),
+            Some(aggregate_id),
+            Some(Datum::from(seq)),
+            event_type,
+            Some(schema_version),
+            payload,
+            headers,
+            topic,
+        ],
+    );
     pg_sys::SPI_finish();
     Ok(result(
         fcinfo,
@@ -353,86 +353,6 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
         Some(Datum::from(seq)),
         false,
     ))
-}
-
-/// The columns of `outbox.events`, in order; the first nine are the values
-/// of the insert, the last two are filled as their defaults would.
-const EVENT_COLUMNS: [&str; 11] = [
-    "event_id",
-    "aggregate_type",
-    "aggregate_id",
-    "aggregate_seq",
-    "event_type",
-    "schema_version",
-    "payload",
-    "headers",
-    "topic",
-    "occurred_at",
-    "txid",
-];
-
-thread_local! {
-    /// The events table whose columns were found to be [`EVENT_COLUMNS`].
-    static KNOWN_EVENTS_TABLE: Cell<Oid> = const { Cell::new(pg_sys::InvalidOid) };
-}
-
-/// Inserts the event row without the executor: heap and index inserts as
-/// PostgreSQL's own catalog code does them, for the one table the extension
-/// owns and knows (no insert triggers, no expressions, defaults computed
-/// here). Returns false, inserting nothing, when the table's columns are not
-/// the known ones; the caller then runs the SQL INSERT.
-unsafe fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
-    let schema = pg_sys::get_namespace_oid(c"outbox".as_ptr(), false);
-    let table = pg_sys::get_relname_relid(c"events".as_ptr(), schema);
-    if table == pg_sys::InvalidOid {
-        return false;
-    }
-    let rel = pg_sys::table_open(table, pg_sys::RowExclusiveLock as _);
-    let desc = (*rel).rd_att;
-    // Insert triggers are looked for every time; the columns once per table.
-    let known = only_update_triggers((*rel).trigdesc)
-        && (KNOWN_EVENTS_TABLE.with(Cell::get) == table || {
-            let attrs = (*desc).attrs.as_slice((*desc).natts as usize);
-            let same = attrs.len() == EVENT_COLUMNS.len()
-                && attrs.iter().zip(EVENT_COLUMNS).all(|(a, name)| {
-                    !a.attisdropped
-                        && CStr::from_ptr(a.attname.data.as_ptr()).to_bytes() == name.as_bytes()
-                });
-            if same {
-                KNOWN_EVENTS_TABLE.with(|k| k.set(table));
-            }
-            same
-        });
-    if !known {
-        pg_sys::table_close(rel, pg_sys::NoLock as _);
-        return false;
-    }
-    let mut values = [Datum::from(0); 11];
-    let mut nulls = [false; 11];
-    for (i, value) in row.iter().enumerate() {
-        values[i] = value.unwrap_or(Datum::from(0));
-        nulls[i] = value.is_none();
-    }
-    values[9] = Datum::from(pg_sys::GetCurrentTimestamp());
-    values[10] = Datum::from(pg_sys::GetTopFullTransactionId().value);
-    let tuple = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
-    pg_sys::CatalogTupleInsert(rel, tuple);
-    pg_sys::heap_freetuple(tuple);
-    pg_sys::table_close(rel, pg_sys::NoLock as _);
-    // Later statements of the transaction, and later emits, see the row.
-    pg_sys::CommandCounterIncrement();
-    true
-}
-
-/// Whether every trigger fires on UPDATE only (the immutability trigger).
-unsafe fn only_update_triggers(triggers: *mut pg_sys::TriggerDesc) -> bool {
-    triggers.is_null()
-        || !((*triggers).trig_insert_before_row
-            || (*triggers).trig_insert_after_row
-            || (*triggers).trig_insert_instead_row
-            || (*triggers).trig_insert_before_statement
-            || (*triggers).trig_insert_after_statement
-            || (*triggers).trig_insert_new_table)
 }
 
 /// An error to raise with its own SQLSTATE. (Raised through pgrx, a
