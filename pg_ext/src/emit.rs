@@ -48,12 +48,9 @@ extern "C-unwind" {
 const TEXT: Oid = pg_sys::TEXTOID;
 const INT8: Oid = pg_sys::INT8OID;
 
+/// A plan kept past SPI_finish, for the life of the backend.
 unsafe fn prepare(sql: &CStr, types: &[Oid]) -> pg_sys::SPIPlanPtr {
-    let mut types = types.to_vec();
-    let plan = pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr());
-    if plan.is_null() {
-        pgrx::error!("pg_outbox: cannot prepare an internal statement");
-    }
+    let plan = prepare_once(sql, types);
     pg_sys::SPI_keepplan(plan);
     plan
 }
@@ -122,6 +119,7 @@ unsafe fn first_value(column: i32) -> Option<Datum> {
     (!is_null).then_some(value)
 }
 
+/// A plan for this call only (SPI_finish frees it).
 unsafe fn prepare_once(sql: &CStr, types: &[Oid]) -> pg_sys::SPIPlanPtr {
     let mut types = types.to_vec();
     let plan = pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr());
