@@ -147,7 +147,7 @@ struct RunArgs {
     #[arg(long, value_enum, env = "OUTBOX_KAFKA_SECURITY_PROTOCOL")]
     kafka_security_protocol: Option<KafkaProtocolArg>,
     /// SASL mechanism for sasl-* protocols.
-    #[arg(long, value_enum, env = "OUTBOX_KAFKA_SASL_MECHANISM", default_value_t = SaslMechanismArg::Plain)]
+    #[arg(long, value_enum, ignore_case = true, env = "OUTBOX_KAFKA_SASL_MECHANISM", default_value_t = SaslMechanismArg::Plain)]
     kafka_sasl_mechanism: SaslMechanismArg,
     /// SASL username.
     #[arg(long, env = "OUTBOX_KAFKA_SASL_USERNAME")]
@@ -173,7 +173,9 @@ enum KafkaProtocolArg {
 #[derive(Clone, Copy, ValueEnum)]
 enum SaslMechanismArg {
     Plain,
+    #[value(name = "scram-sha-256")]
     ScramSha256,
+    #[value(name = "scram-sha-512")]
     ScramSha512,
 }
 
@@ -435,43 +437,36 @@ impl RunArgs {
                 self.kafka_ssl_ca = Some(v.into());
             }
         }
-        if !given("kafka_security_protocol") {
-            if let Some(v) = &file.kafka_security_protocol {
-                let parsed = KafkaProtocolArg::from_str(&v.replace('_', "-"), true).map_err(|_| {
-                    Error::Config(format!(
-                        "config file: kafka_security_protocol {v:?} is not plaintext, ssl, sasl_plaintext or sasl_ssl"
-                    ))
-                })?;
-                self.kafka_security_protocol = Some(parsed);
-            }
+        // A choice among names; `_` and `-` and letter case do not matter.
+        macro_rules! take_choice {
+            ($field:ident, $choice:ty, $choices:literal) => {
+                if !given(stringify!($field)) {
+                    if let Some(v) = &file.$field {
+                        let parsed: $choice = ValueEnum::from_str(&v.replace('_', "-"), true)
+                            .map_err(|_| {
+                                Error::Config(format!(
+                                    "config file: {} {v:?} is not {}",
+                                    stringify!($field),
+                                    $choices
+                                ))
+                            })?;
+                        self.$field = parsed.into();
+                    }
+                }
+            };
         }
-        if !given("kafka_sasl_mechanism") {
-            if let Some(v) = &file.kafka_sasl_mechanism {
-                self.kafka_sasl_mechanism = SaslMechanismArg::from_str(v, true).map_err(|_| {
-                    Error::Config(format!(
-                        "config file: kafka_sasl_mechanism {v:?} is not PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512"
-                    ))
-                })?;
-            }
-        }
-        if !given("delivery") {
-            if let Some(v) = &file.delivery {
-                self.delivery = DeliveryArg::from_str(v, false).map_err(|_| {
-                    Error::Config(format!(
-                        "config file: delivery {v:?} is not at-least-once or exactly-once"
-                    ))
-                })?;
-            }
-        }
-        if !given("value_format") {
-            if let Some(v) = &file.value_format {
-                self.value_format = ValueFormatArg::from_str(v, false).map_err(|_| {
-                    Error::Config(format!(
-                        "config file: value_format {v:?} is not raw, envelope or cloudevents"
-                    ))
-                })?;
-            }
-        }
+        take_choice!(
+            kafka_security_protocol,
+            KafkaProtocolArg,
+            "plaintext, ssl, sasl_plaintext or sasl_ssl"
+        );
+        take_choice!(
+            kafka_sasl_mechanism,
+            SaslMechanismArg,
+            "PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512"
+        );
+        take_choice!(delivery, DeliveryArg, "at-least-once or exactly-once");
+        take_choice!(value_format, ValueFormatArg, "raw, envelope or cloudevents");
         if !given("metrics_listen") {
             if let Some(v) = &file.metrics_listen {
                 self.metrics_listen = Some(v.parse().map_err(|_| {
@@ -518,5 +513,80 @@ fn init_logging(format: LogFormat) {
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The options of `check` given on a command line, with a file.
+    fn config(flags: &[&str], file: &str) -> Result<Config, Error> {
+        let mut argv = vec![
+            "outbox-forwarder",
+            "check",
+            "--postgres-url",
+            "postgres://u@h/db",
+            "--kafka-bootstrap",
+            "k:9092",
+        ];
+        argv.extend(flags);
+        let matches = Cli::command()
+            .try_get_matches_from(argv)
+            .expect("valid flags");
+        let explicit: Vec<String> = matches
+            .subcommand()
+            .map(|(_, sub)| {
+                sub.ids()
+                    .filter(|id| sub.value_source(id.as_str()) == Some(ValueSource::CommandLine))
+                    .map(|id| id.as_str().to_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let Command::Check(args) = Cli::from_arg_matches(&matches).expect("cli").command else {
+            panic!("check");
+        };
+        let file = FileConfig::parse(file).expect("file parses");
+        config_from(&args, &file, &explicit)
+    }
+
+    #[test]
+    fn choices_in_the_file_are_read_as_documented_and_flags_win() {
+        let c = config(
+            &[],
+            "delivery = \"exactly-once\"\nvalue_format = \"envelope\"\nkafka_security_protocol = \"SASL_SSL\"\n\
+             kafka_sasl_mechanism = \"SCRAM-SHA-512\"\nkafka_sasl_username = \"u\"\nkafka_sasl_password = \"p\"\n",
+        )
+        .expect("valid");
+        assert_eq!(c.delivery, Delivery::ExactlyOnce);
+        assert_eq!(c.value_format, ValueFormat::Envelope);
+        assert_eq!(c.kafka_security.protocol, Some(KafkaProtocol::SaslSsl));
+        assert_eq!(
+            c.kafka_security.sasl_mechanism,
+            Some(SaslMechanism::ScramSha512)
+        );
+
+        let c = config(
+            &[
+                "--delivery",
+                "at-least-once",
+                "--kafka-sasl-mechanism",
+                "SCRAM-SHA-256",
+            ],
+            "delivery = \"exactly-once\"\nkafka_security_protocol = \"sasl_plaintext\"\n\
+             kafka_sasl_username = \"u\"\nkafka_sasl_password = \"p\"\n",
+        )
+        .expect("valid");
+        assert_eq!(c.delivery, Delivery::AtLeastOnce, "the flag wins");
+        assert_eq!(
+            c.kafka_security.sasl_mechanism,
+            Some(SaslMechanism::ScramSha256)
+        );
+
+        let err = config(&[], "kafka_sasl_mechanism = \"GSSAPI\"\n").expect_err("not built in");
+        assert!(
+            err.to_string().contains("kafka_sasl_mechanism \"GSSAPI\""),
+            "{err}"
+        );
     }
 }
