@@ -26,13 +26,16 @@ pub struct Stack {
     pub kafka: String,
 }
 
+/// A setting `scripts/stack up` prints, from the environment.
+fn stack_setting(key: &str) -> String {
+    std::env::var(key).unwrap_or_else(|_| {
+        panic!("{key} is not set: run the tests with scripts/test, or export the output of scripts/stack up")
+    })
+}
+
 impl Stack {
     pub fn from_env() -> Stack {
-        let get = |key: &str| {
-            std::env::var(key).unwrap_or_else(|_| {
-                panic!("{key} is not set: run the tests with scripts/test, or export the output of scripts/stack up")
-            })
-        };
+        let get = stack_setting;
         Stack {
             admin_url: get("PGURL"),
             forwarder_url: get("FORWARDER_PGURL"),
@@ -55,11 +58,7 @@ pub struct Secured {
 
 impl Secured {
     pub fn from_env() -> Secured {
-        let get = |key: &str| {
-            std::env::var(key).unwrap_or_else(|_| {
-                panic!("{key} is not set: export the output of scripts/stack up")
-            })
-        };
+        let get = stack_setting;
         Secured {
             ca: get("TLS_CA"),
             other_ca: get("TLS_OTHER_CA"),
