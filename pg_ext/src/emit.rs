@@ -1,6 +1,6 @@
 //! `outbox.emit_event` and the sequence primitive it shares with
-//! `outbox.emit_events`, in Rust: one C function call with cached plans in
-//! place of a PL/pgSQL interpreter run.
+//! `outbox.emit_events`, in Rust: a C function in place of a PL/pgSQL
+//! interpreter run.
 //!
 //! How a sequence number is taken: a transaction-scoped advisory lock on the
 //! aggregate (held until commit, so writers of one aggregate queue up and
@@ -12,18 +12,24 @@
 //! `outbox.sequence_floors` remembers aggregates whose events a 0.2.0 prune
 //! removed entirely.
 //!
+//! The common call runs no SQL statement and starts no executor: the
+//! sequence is read straight from the unique key, and the row goes in with
+//! a heap insert and an insert into each index, as the executor would do
+//! it, while the table is the one the extension made (see
+//! [`insert_direct`]). Idempotency keys, doubtful values and a table that
+//! an operator changed take the SQL way, through SPI.
+//!
 //! Validation is checked here for the common case only: anything unusual
 //! (headers, a doubtful value) goes to the PL/pgSQL `outbox.check_emit`,
 //! which names the broken rule with its SQLSTATE and hint, so the rules and
 //! their messages live in one place (shared with the batch form).
 
-use std::cell::Cell;
 use std::ffi::CStr;
 
 use pgrx::pg_sys::{self, Datum, Oid};
 use pgrx::varlena::{varatt_is_1b_e, varatt_is_4b_c, vardata_any, varsize_any, varsize_any_exhdr};
 
-use crate::MAX_PAYLOAD_BYTES;
+use crate::{BackendCell, MAX_PAYLOAD_BYTES};
 
 /// Plans kept for the life of the backend; PostgreSQL revalidates them
 /// when the tables change.
@@ -34,9 +40,7 @@ struct Plans {
     insert: pg_sys::SPIPlanPtr,
 }
 
-thread_local! {
-    static PLANS: Cell<Option<Plans>> = const { Cell::new(None) };
-}
+static PLANS: BackendCell<Option<Plans>> = BackendCell::new(None);
 
 // Built-in functions called through the function manager; pgrx's wrappers
 // are Rust functions, not the C entry points DirectFunctionCall needs.
@@ -57,7 +61,7 @@ unsafe fn prepare(sql: &CStr, types: &[Oid]) -> pg_sys::SPIPlanPtr {
 
 /// Must run inside SPI_connect.
 unsafe fn plans() -> Plans {
-    if let Some(plans) = PLANS.with(Cell::get) {
+    if let Some(plans) = PLANS.get() {
         return plans;
     }
     let plans = Plans {
@@ -90,7 +94,7 @@ unsafe fn plans() -> Plans {
             ],
         ),
     };
-    PLANS.with(|p| p.set(Some(plans)));
+    PLANS.set(Some(plans));
     plans
 }
 
@@ -142,8 +146,7 @@ fn topic_safe(name: &[u8]) -> bool {
 }
 
 /// Takes the aggregate's lock until the end of the transaction and returns
-/// its newest sequence number (0 for a new aggregate). Must run inside
-/// SPI_connect.
+/// its newest sequence number (0 for a new aggregate).
 unsafe fn lock_and_read_latest(aggregate_type: Datum, aggregate_id: Datum) -> i64 {
     lock(aggregate_type, aggregate_id);
     read_latest(aggregate_type, aggregate_id)
@@ -167,44 +170,95 @@ unsafe fn lock(aggregate_type: Datum, aggregate_id: Datum) {
 /// before, whatever the isolation level. Read straight from the unique key
 /// (no executor: starting one cost more than the rest of emit_event).
 unsafe fn read_latest(aggregate_type: Datum, aggregate_id: Datum) -> i64 {
-    let schema = pg_sys::get_namespace_oid(c"outbox".as_ptr(), false);
-    let newest = |table: &CStr, index: &CStr, column: &CStr| {
-        let table = pg_sys::get_relname_relid(table.as_ptr(), schema);
-        let index = pg_sys::get_relname_relid(index.as_ptr(), schema);
-        if table == pg_sys::InvalidOid || index == pg_sys::InvalidOid {
-            pgrx::error!("pg_outbox: its tables are missing; reinstall the extension");
-        }
-        newest_value(table, index, column, aggregate_type, aggregate_id)
-    };
-    newest(c"events", c"events_aggregate_seq_key", c"aggregate_seq")
-        .or_else(|| newest(c"sequence_floors", c"sequence_floors_pkey", c"last_seq"))
+    let catalog = catalog();
+    newest_value(catalog.events, aggregate_type, aggregate_id)
+        .or_else(|| newest_value(catalog.floors, aggregate_type, aggregate_id))
         .unwrap_or(0)
 }
 
-/// The largest `column` among rows of `table` whose first two key columns
-/// of `index` (aggregate_type, aggregate_id) equal the given ones.
-unsafe fn newest_value(
+/// A table keyed by (aggregate_type, aggregate_id, ...) and the column that
+/// holds the aggregate's sequence.
+#[derive(Clone, Copy)]
+struct Keyed {
     table: Oid,
     index: Oid,
-    column: &CStr,
-    aggregate_type: Datum,
-    aggregate_id: Datum,
-) -> Option<i64> {
-    let heap = pg_sys::table_open(table, pg_sys::AccessShareLock as _);
-    let index = pg_sys::index_open(index, pg_sys::AccessShareLock as _);
-    let attnum = pg_sys::get_attnum(table, column.as_ptr());
+    column: pg_sys::AttrNumber,
+}
+
+/// The OIDs emit_event reads through, looked up once per backend and
+/// forgotten when one of the relations changes (a relcache invalidation),
+/// so that a dropped and recreated extension is found again.
+#[derive(Clone, Copy)]
+struct Catalog {
+    events: Keyed,
+    floors: Keyed,
+}
+
+static CATALOG: BackendCell<Option<Catalog>> = BackendCell::new(None);
+static WATCHING: BackendCell<bool> = BackendCell::new(false);
+
+unsafe fn catalog() -> Catalog {
+    if let Some(catalog) = CATALOG.get() {
+        return catalog;
+    }
+    if !WATCHING.get() {
+        pg_sys::CacheRegisterRelcacheCallback(Some(forget_catalog), Datum::from(0));
+        WATCHING.set(true);
+    }
+    let schema = pg_sys::get_namespace_oid(c"outbox".as_ptr(), false);
+    let keyed = |table: &CStr, index: &CStr, column: &CStr| {
+        let table = pg_sys::get_relname_relid(table.as_ptr(), schema);
+        let index = pg_sys::get_relname_relid(index.as_ptr(), schema);
+        let column = pg_sys::get_attnum(table, column.as_ptr());
+        if table == pg_sys::InvalidOid || index == pg_sys::InvalidOid || column <= 0 {
+            pgrx::error!("pg_outbox: its tables are missing; reinstall the extension");
+        }
+        Keyed {
+            table,
+            index,
+            column,
+        }
+    };
+    let catalog = Catalog {
+        events: keyed(c"events", c"events_aggregate_seq_key", c"aggregate_seq"),
+        floors: keyed(c"sequence_floors", c"sequence_floors_pkey", c"last_seq"),
+    };
+    CATALOG.set(Some(catalog));
+    catalog
+}
+
+#[pgrx::pg_guard]
+unsafe extern "C-unwind" fn forget_catalog(_arg: Datum, relid: Oid) {
+    let ours = |c: &Catalog| {
+        [c.events, c.floors]
+            .iter()
+            .any(|k| k.table == relid || k.index == relid)
+    };
+    if relid == pg_sys::InvalidOid || CATALOG.get().is_some_and(|c| ours(&c)) {
+        CATALOG.set(None);
+    }
+}
+
+/// The largest sequence among the rows of `keyed` whose leading key
+/// columns, (aggregate_type, aggregate_id), equal the given ones.
+unsafe fn newest_value(keyed: Keyed, aggregate_type: Datum, aggregate_id: Datum) -> Option<i64> {
+    let heap = pg_sys::table_open(keyed.table, pg_sys::AccessShareLock as _);
+    let index = pg_sys::index_open(keyed.index, pg_sys::AccessShareLock as _);
     let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
-    for (key, (heap_column, value)) in keys.iter_mut().zip([
-        (c"aggregate_type", aggregate_type),
-        (c"aggregate_id", aggregate_id),
-    ]) {
+    for (n, (key, value)) in keys
+        .iter_mut()
+        .zip([aggregate_type, aggregate_id])
+        .enumerate()
+    {
         pg_sys::ScanKeyEntryInitialize(
             key,
             0,
-            pg_sys::get_attnum(table, heap_column.as_ptr()),
+            // The index's key columns map to the table's: column n+1 of
+            // the index is attribute indkey[n] of the table.
+            *(*(*index).rd_index).indkey.values.as_ptr().add(n),
             pg_sys::BTEqualStrategyNumber as _,
             pg_sys::InvalidOid,
-            pg_sys::DEFAULT_COLLATION_OID,
+            *(*index).rd_indcollation.add(n),
             pg_sys::Oid::from(pg_sys::F_TEXTEQ),
             value,
         );
@@ -215,7 +269,7 @@ unsafe fn newest_value(
         pg_sys::systable_getnext_ordered(scan, pg_sys::ScanDirection::BackwardScanDirection);
     // NOT NULL column: nocachegetattr reads it whatever else is null.
     let value = (!tuple.is_null())
-        .then(|| pg_sys::nocachegetattr(tuple, attnum as _, (*heap).rd_att).value() as i64);
+        .then(|| pg_sys::nocachegetattr(tuple, keyed.column as _, (*heap).rd_att).value() as i64);
     pg_sys::systable_endscan_ordered(scan);
     pg_sys::UnregisterSnapshot(snapshot);
     pg_sys::index_close(index, pg_sys::NoLock as _);
@@ -238,10 +292,7 @@ pub extern "C" fn pg_finfo_lock_aggregate() -> &'static pg_sys::Pg_finfo_record 
 pub unsafe extern "C-unwind" fn lock_aggregate(fcinfo: pg_sys::FunctionCallInfo) -> Datum {
     let aggregate_type = pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, 0);
     let aggregate_id = pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, 1);
-    pg_sys::SPI_connect();
-    let latest = lock_and_read_latest(aggregate_type, aggregate_id);
-    pg_sys::SPI_finish();
-    Datum::from(latest)
+    Datum::from(lock_and_read_latest(aggregate_type, aggregate_id))
 }
 
 #[no_mangle]
@@ -276,10 +327,12 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
     let [aggregate_type, aggregate_id, event_type, payload, headers, schema_version, expected_seq, key, topic] =
         args;
 
-    pg_sys::SPI_connect();
+    // SPI only when a statement has to run: the common call runs none.
+    let mut spi = Spi::default();
     if !plainly_valid(&args) {
+        spi.connect();
         if let Some(refusal) = check_emit(&args) {
-            pg_sys::SPI_finish();
+            spi.finish();
             return Err(refusal);
         }
     }
@@ -288,15 +341,15 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
     };
 
     lock(aggregate_type, aggregate_id);
-    let id_bytes = uuid::Uuid::now_v7().into_bytes();
-    // In SPI's memory: for the statements only.
+    let id_bytes = crate::event_id();
     let event_id = uuid_datum(id_bytes);
     let schema_version = schema_version.unwrap_or(Datum::from(1_i32));
 
     let latest = read_latest(aggregate_type, aggregate_id);
     let seq = latest + 1;
-    let plans = plans();
     if let Some(key) = key {
+        spi.connect();
+        let plans = plans();
         // Claimed under the number this event would get; a claim that
         // exists already answers the call with its event, unchanged.
         let claimed = execute(
@@ -313,7 +366,7 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
             execute(plans.first_for_key, &[Some(aggregate_type), Some(key)]);
             let first_id = first_value(1).map(|d| copy_uuid(d));
             let first_seq = first_value(2);
-            pg_sys::SPI_finish();
+            spi.finish();
             return Ok(result(fcinfo, first_id, first_seq, true));
         }
     }
@@ -326,31 +379,241 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
                 expected,
                 latest,
             );
-            pg_sys::SPI_finish();
+            spi.finish();
             return Err(refusal);
         }
     }
-    execute(
-        plans.insert,
-        &[
-            Some(event_id),
-            Some(aggregate_type),
-            Some(aggregate_id),
-            Some(Datum::from(seq)),
-            event_type,
-            Some(schema_version),
-            payload,
-            headers,
-            topic,
-        ],
-    );
-    pg_sys::SPI_finish();
+    let row = [
+        Some(event_id),
+        Some(aggregate_type),
+        Some(aggregate_id),
+        Some(Datum::from(seq)),
+        event_type,
+        Some(schema_version),
+        payload,
+        headers,
+        topic,
+    ];
+    if !insert_direct(&row) {
+        spi.connect();
+        execute(plans().insert, &row);
+    }
+    spi.finish();
     Ok(result(
         fcinfo,
         Some(id_bytes),
         Some(Datum::from(seq)),
         false,
     ))
+}
+
+/// An SPI connection opened on first need and closed once.
+#[derive(Default)]
+struct Spi {
+    connected: bool,
+}
+
+impl Spi {
+    unsafe fn connect(&mut self) {
+        if !self.connected {
+            pg_sys::SPI_connect();
+            self.connected = true;
+        }
+    }
+
+    unsafe fn finish(&mut self) {
+        if std::mem::take(&mut self.connected) {
+            pg_sys::SPI_finish();
+        }
+    }
+}
+
+/// The columns of `outbox.events` in order, with their types; the first
+/// nine are the values of the insert, the last two are filled as their
+/// defaults (`clock_timestamp()`, `pg_current_xact_id()`) would.
+const EVENT_COLUMNS: [(&CStr, Oid); 11] = [
+    (c"event_id", pg_sys::UUIDOID),
+    (c"aggregate_type", TEXT),
+    (c"aggregate_id", TEXT),
+    (c"aggregate_seq", INT8),
+    (c"event_type", TEXT),
+    (c"schema_version", pg_sys::INT4OID),
+    (c"payload", pg_sys::JSONBOID),
+    (c"headers", pg_sys::JSONBOID),
+    (c"topic", TEXT),
+    (c"occurred_at", pg_sys::TIMESTAMPTZOID),
+    (c"txid", pg_sys::XID8OID),
+];
+
+/// Inserts the event row the way the executor's INSERT would, without
+/// starting an executor: the heap insert (WAL-logged for logical decoding
+/// like any other), then an insert into every index, unique ones checked.
+/// Only while `outbox.events` is exactly the table the extension created,
+/// give or take plain indexes: its known columns, no insert triggers,
+/// rules, CHECK constraints or generated columns, and indexes on plain
+/// columns only. Otherwise it writes nothing and returns false, and the
+/// caller runs the SQL INSERT, which handles whatever was added.
+unsafe fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
+    let catalog = catalog();
+    let rel = pg_sys::table_open(catalog.events.table, pg_sys::RowExclusiveLock as _);
+    let indexes = if plain_table(rel) {
+        open_plain_indexes(rel)
+    } else {
+        None
+    };
+    let Some(indexes) = indexes else {
+        pg_sys::table_close(rel, pg_sys::NoLock as _);
+        return false;
+    };
+    let mut values = [Datum::from(0); EVENT_COLUMNS.len()];
+    let mut nulls = [false; EVENT_COLUMNS.len()];
+    for (i, value) in row.iter().enumerate() {
+        values[i] = value.unwrap_or(Datum::from(0));
+        nulls[i] = value.is_none();
+    }
+    values[9] = Datum::from(pg_sys::GetCurrentTimestamp());
+    values[10] = Datum::from(pg_sys::GetTopFullTransactionId().value);
+    let desc = (*rel).rd_att;
+    let attrs = (*desc).attrs.as_slice(EVENT_COLUMNS.len());
+    if attrs
+        .iter()
+        .zip(nulls)
+        .any(|(a, null)| a.attnotnull && null)
+    {
+        // Validation should have refused it; the SQL INSERT names the column.
+        indexes.close();
+        pg_sys::table_close(rel, pg_sys::NoLock as _);
+        return false;
+    }
+    let tuple = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+    pg_sys::heap_insert(
+        rel,
+        tuple,
+        pg_sys::GetCurrentCommandId(true),
+        0,
+        std::ptr::null_mut(),
+    );
+    for &(index, info) in indexes.iter() {
+        let mut key_values = [Datum::from(0); pg_sys::INDEX_MAX_KEYS as usize];
+        let mut key_nulls = [false; pg_sys::INDEX_MAX_KEYS as usize];
+        for k in 0..(*info).ii_NumIndexAttrs as usize {
+            let column = (*info).ii_IndexAttrNumbers[k] as usize - 1;
+            key_values[k] = values[column];
+            key_nulls[k] = nulls[column];
+        }
+        let check = if (*(*index).rd_index).indisunique {
+            pg_sys::IndexUniqueCheck::UNIQUE_CHECK_YES
+        } else {
+            pg_sys::IndexUniqueCheck::UNIQUE_CHECK_NO
+        };
+        pg_sys::index_insert(
+            index,
+            key_values.as_mut_ptr(),
+            key_nulls.as_mut_ptr(),
+            &mut (*tuple).t_self,
+            rel,
+            check,
+            false,
+            info,
+        );
+    }
+    indexes.close();
+    pg_sys::heap_freetuple(tuple);
+    pg_sys::table_close(rel, pg_sys::NoLock as _);
+    // The next read of the newest sequence in this transaction sees it.
+    pg_sys::CommandCounterIncrement();
+    true
+}
+
+/// Whether the table is the plain events table of [`EVENT_COLUMNS`].
+unsafe fn plain_table(rel: pg_sys::Relation) -> bool {
+    let class = &*(*rel).rd_rel;
+    let desc = (*rel).rd_att;
+    let constraints = (*desc).constr;
+    let triggers = (*rel).trigdesc;
+    let attrs = (*desc).attrs.as_slice((*desc).natts as usize);
+    class.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
+        && !class.relhasrules
+        && !class.relforcerowsecurity
+        && (constraints.is_null()
+            || ((*constraints).num_check == 0 && !(*constraints).has_generated_stored))
+        && (triggers.is_null()
+            || !((*triggers).trig_insert_before_row
+                || (*triggers).trig_insert_after_row
+                || (*triggers).trig_insert_instead_row
+                || (*triggers).trig_insert_before_statement
+                || (*triggers).trig_insert_after_statement
+                || (*triggers).trig_insert_new_table))
+        && attrs.len() == EVENT_COLUMNS.len()
+        && attrs.iter().zip(EVENT_COLUMNS).all(|(a, (name, type_))| {
+            let name = name.to_bytes_with_nul();
+            !a.attisdropped
+                && a.atttypid == type_
+                && std::slice::from_raw_parts(a.attname.data.as_ptr().cast::<u8>(), name.len())
+                    == name
+        })
+}
+
+/// The open indexes of the events table that take inserts. A fixed array:
+/// the table has one index, and a few more are allowed for before the
+/// insert goes the SQL way.
+struct OpenIndexes {
+    open: [(pg_sys::Relation, *mut pg_sys::IndexInfo); 8],
+    len: usize,
+}
+
+impl OpenIndexes {
+    fn iter(&self) -> impl Iterator<Item = &(pg_sys::Relation, *mut pg_sys::IndexInfo)> {
+        self.open[..self.len].iter()
+    }
+
+    unsafe fn close(&self) {
+        for &(index, _) in self.iter() {
+            pg_sys::index_close(index, pg_sys::NoLock as _);
+        }
+    }
+}
+
+/// The table's indexes that take inserts, each with its IndexInfo, when
+/// every one is on plain columns (no expression, predicate or exclusion)
+/// with immediate uniqueness, and there are at most 8; None, with nothing
+/// left open, otherwise.
+unsafe fn open_plain_indexes(rel: pg_sys::Relation) -> Option<OpenIndexes> {
+    let list = pg_sys::RelationGetIndexList(rel);
+    let oids = if list.is_null() {
+        &[][..]
+    } else {
+        std::slice::from_raw_parts((*list).elements, (*list).length as usize)
+    };
+    let mut indexes = OpenIndexes {
+        open: [(std::ptr::null_mut(), std::ptr::null_mut()); 8],
+        len: 0,
+    };
+    for cell in oids {
+        if indexes.len == indexes.open.len() {
+            indexes.close();
+            return None;
+        }
+        let index = pg_sys::index_open(cell.oid_value, pg_sys::RowExclusiveLock as _);
+        let form = &*(*index).rd_index;
+        if !form.indisready {
+            // Being built concurrently: the build takes care of this row.
+            pg_sys::index_close(index, pg_sys::NoLock as _);
+            continue;
+        }
+        let info = pg_sys::BuildIndexInfo(index);
+        indexes.open[indexes.len] = (index, info);
+        indexes.len += 1;
+        let plain = (*info).ii_Expressions.is_null()
+            && (*info).ii_Predicate.is_null()
+            && (*info).ii_ExclusionOps.is_null()
+            && (!form.indisunique || form.indimmediate);
+        if !plain {
+            indexes.close();
+            return None;
+        }
+    }
+    Some(indexes)
 }
 
 /// An error to raise with its own SQLSTATE. (Raised through pgrx, a

@@ -36,7 +36,81 @@ extension_sql_file!("../sql/bootstrap.sql", name = "bootstrap", bootstrap);
 /// keeps the primary key index append-mostly.
 #[pg_extern(volatile, parallel_safe)]
 fn uuid_v7() -> pgrx::Uuid {
-    pgrx::Uuid::from_bytes(*uuid::Uuid::now_v7().as_bytes())
+    pgrx::Uuid::from_bytes(event_id())
+}
+
+/// A version 7 UUID as RFC 9562 lays it out: 48 bits of Unix milliseconds,
+/// then 12 bits of the sub-millisecond fraction (so ids of one backend keep
+/// their order within a millisecond, as in PostgreSQL 18's uuidv7), then 62
+/// random bits from [`random_bits`].
+pub(crate) fn event_id() -> [u8; 16] {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let millis = now.as_millis() as u64;
+    let fraction = ((now.subsec_nanos() % 1_000_000) as u64 * 4096 / 1_000_000) as u16;
+    let mut id = [0u8; 16];
+    id[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
+    id[6] = 0x70 | (fraction >> 8) as u8;
+    id[7] = fraction as u8;
+    id[8..].copy_from_slice(&random_bits().to_be_bytes());
+    id[8] = 0x80 | (id[8] & 0x3F);
+    id
+}
+
+/// State kept for the life of a backend. A backend runs one thread, so a
+/// plain cell will do (a `thread_local!` costs a call per access in a
+/// shared library).
+pub(crate) struct BackendCell<T>(std::cell::Cell<T>);
+
+// SAFETY: PostgreSQL calls the extension from its backend's only thread.
+unsafe impl<T> Sync for BackendCell<T> {}
+
+impl<T: Copy> BackendCell<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        BackendCell(std::cell::Cell::new(value))
+    }
+    pub(crate) fn get(&self) -> T {
+        self.0.get()
+    }
+    pub(crate) fn set(&self, value: T) {
+        self.0.set(value)
+    }
+}
+
+/// The backend's xoshiro256** generator, seeded with 256 bits from
+/// `pg_strong_random` on first use. Ids need bits that never repeat within
+/// a backend and do not collide between backends, not secrecy; one strong
+/// seed per backend gives that without OpenSSL's locking on every id.
+static RANDOM_STATE: BackendCell<Option<[u64; 4]>> = BackendCell::new(None);
+
+fn random_bits() -> u64 {
+    let mut s = RANDOM_STATE.get().unwrap_or_else(|| {
+        let mut seed = [0u8; 32];
+        // SAFETY: fills the 32 bytes given; PostgreSQL initialised its
+        // generator in this process before any SQL ran.
+        if !unsafe { pg_sys::pg_strong_random(seed.as_mut_ptr().cast(), seed.len()) } {
+            pgrx::error!("pg_outbox: could not seed the event id generator");
+        }
+        let mut state = [0u64; 4];
+        for (word, bytes) in state.iter_mut().zip(seed.chunks_exact(8)) {
+            *word = u64::from_le_bytes(bytes.try_into().unwrap_or_default());
+        }
+        if state == [0; 4] {
+            state[0] = 1;
+        }
+        state
+    });
+    let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+    let t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = s[3].rotate_left(45);
+    RANDOM_STATE.set(Some(s));
+    result
 }
 
 extension_sql_file!("../sql/api.sql", name = "api", requires = [uuid_v7]);
@@ -48,7 +122,12 @@ extension_sql_file!(
 extension_sql_file!(
     "../sql/pg_outbox--0.2.0--0.3.0.sql",
     name = "v0_3_0",
-    requires = ["v0_2_0"],
+    requires = ["v0_2_0"]
+);
+extension_sql_file!(
+    "../sql/pg_outbox--0.3.0--0.4.0.sql",
+    name = "v0_4_0",
+    requires = ["v0_3_0"],
     finalize
 );
 
@@ -102,7 +181,26 @@ mod tests {
         let (a, _) = emit("order", "o-3");
         let (b, _) = emit("order", "o-3");
         assert_eq!(a.as_bytes()[6] >> 4, 7, "version nibble");
+        assert_eq!(a.as_bytes()[8] >> 6, 0b10, "RFC 9562 variant");
         assert!(a.as_bytes() < b.as_bytes(), "ids sort by creation");
+        let millis = u64::from_be_bytes([
+            0,
+            0,
+            a.as_bytes()[0],
+            a.as_bytes()[1],
+            a.as_bytes()[2],
+            a.as_bytes()[3],
+            a.as_bytes()[4],
+            a.as_bytes()[5],
+        ]);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64;
+        assert!(now - millis < 60_000, "the id carries the time it was made");
+        let ids: std::collections::HashSet<[u8; 16]> =
+            (0..10_000).map(|_| crate::event_id()).collect();
+        assert_eq!(ids.len(), 10_000, "random bits make every id distinct");
     }
 
     #[pg_test]

@@ -670,6 +670,7 @@ async fn an_upgraded_extension_equals_a_fresh_one() {
           FROM pg_proc p WHERE p.pronamespace = 'outbox'::regnamespace
         UNION ALL
         SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull
+               || ' ' || coalesce(a.attcollation::regcollation::text, '')
           FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
          WHERE c.relnamespace = 'outbox'::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
         UNION ALL
@@ -803,4 +804,96 @@ async fn an_upgrade_from_0_2_0_keeps_every_numbering_and_idempotency_key() {
         .await
         .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
         .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_an_operator_adds_to_the_events_table_is_honoured() {
+    // emit_event writes the row without the executor only while the table
+    // is the one the extension made (plain indexes aside); a trigger, a
+    // CHECK constraint or an expression index sends it through SQL again.
+    let db = TestDb::create("added").await;
+    let client = db.admin().await;
+    let client = &client;
+    let emit = |extra: &'static str| async move {
+        client
+            .query_one(
+                &format!("SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{{}}'{extra})"),
+                &[],
+            )
+            .await
+            .map(|row| row.get::<_, i64>(0))
+    };
+    // Every heap row is in every index (amcheck's heapallindexed).
+    let indexes_hold_every_row = || async {
+        client
+            .batch_execute(
+                "CREATE EXTENSION IF NOT EXISTS amcheck;
+                 SELECT bt_index_check(i.indexrelid, true) FROM pg_index i
+                  WHERE i.indrelid = 'outbox.events'::regclass;",
+            )
+            .await
+            .expect("every index holds every row");
+    };
+    assert_eq!(emit("").await.expect("emit"), 1);
+
+    client
+        .batch_execute("CREATE INDEX events_by_type ON outbox.events (event_type, occurred_at)")
+        .await
+        .expect("plain index");
+    assert_eq!(emit("").await.expect("emit"), 2);
+    indexes_hold_every_row().await;
+
+    client
+        .batch_execute(
+            "CREATE TABLE public.seen (seq bigint);
+             CREATE FUNCTION public.note() RETURNS trigger LANGUAGE plpgsql
+                 AS $$ BEGIN INSERT INTO public.seen VALUES (NEW.aggregate_seq); RETURN NEW; END $$;
+             CREATE TRIGGER note AFTER INSERT ON outbox.events
+                 FOR EACH ROW EXECUTE FUNCTION public.note();",
+        )
+        .await
+        .expect("trigger");
+    assert_eq!(emit("").await.expect("emit"), 3);
+    let seen: Vec<i64> = client
+        .query("SELECT seq FROM public.seen", &[])
+        .await
+        .expect("seen")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(seen, vec![3], "the trigger fired for the event");
+
+    client
+        .batch_execute(
+            "DROP TRIGGER note ON outbox.events;
+             ALTER TABLE outbox.events ADD CONSTRAINT small_versions CHECK (schema_version < 5);
+             CREATE INDEX events_lower_type ON outbox.events (lower(event_type));",
+        )
+        .await
+        .expect("check constraint and expression index");
+    let refused = emit(", schema_version => 7")
+        .await
+        .expect_err("the CHECK constraint refuses it");
+    assert_eq!(
+        refused.code(),
+        Some(&tokio_postgres::error::SqlState::CHECK_VIOLATION)
+    );
+    assert_eq!(emit("").await.expect("emit"), 4);
+    indexes_hold_every_row().await;
+    let stored: i64 = client
+        .query_one("SELECT count(*) FROM outbox.events", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(stored, 4, "the refused event left nothing behind");
+
+    // The extension dropped and made again under the same session: its new
+    // tables are found, not the old ones' ids.
+    client
+        .batch_execute("DROP EXTENSION pg_outbox CASCADE; CREATE EXTENSION pg_outbox")
+        .await
+        .expect("reinstall");
+    assert_eq!(emit("").await.expect("emit after reinstall"), 1);
+    indexes_hold_every_row().await;
+    db.drop().await;
 }
