@@ -171,9 +171,23 @@ unsafe fn lock(aggregate_type: Datum, aggregate_id: Datum) {
 /// (no executor: starting one cost more than the rest of emit_event).
 unsafe fn read_latest(aggregate_type: Datum, aggregate_id: Datum) -> i64 {
     let catalog = catalog();
-    newest_value(catalog.events, aggregate_type, aggregate_id)
-        .or_else(|| newest_value(catalog.floors, aggregate_type, aggregate_id))
-        .unwrap_or(0)
+    newest_value(
+        catalog.events,
+        pg_sys::RowExclusiveLock,
+        aggregate_type,
+        aggregate_id,
+    )
+    .or_else(|| {
+        catalog.floors_in_use.then(|| {
+            newest_value(
+                catalog.floors,
+                pg_sys::AccessShareLock,
+                aggregate_type,
+                aggregate_id,
+            )
+        })?
+    })
+    .unwrap_or(0)
 }
 
 /// A table keyed by (aggregate_type, aggregate_id, ...) and the column that
@@ -192,6 +206,9 @@ struct Keyed {
 struct Catalog {
     events: Keyed,
     floors: Keyed,
+    /// False when the floors table is empty, as it is unless the extension
+    /// was upgraded from 0.2.0: only that upgrade writes it.
+    floors_in_use: bool,
 }
 
 static CATALOG: BackendCell<Option<Catalog>> = BackendCell::new(None);
@@ -222,7 +239,17 @@ unsafe fn catalog() -> Catalog {
     let catalog = Catalog {
         events: keyed(c"events", c"events_aggregate_seq_key", c"aggregate_seq"),
         floors: keyed(c"sequence_floors", c"sequence_floors_pkey", c"last_seq"),
+        floors_in_use: false,
     };
+    let floors = pg_sys::table_open(catalog.floors.table, pg_sys::AccessShareLock as _);
+    let catalog = Catalog {
+        floors_in_use: pg_sys::RelationGetNumberOfBlocksInFork(
+            floors,
+            pg_sys::ForkNumber::MAIN_FORKNUM,
+        ) > 0,
+        ..catalog
+    };
+    pg_sys::table_close(floors, pg_sys::NoLock as _);
     CATALOG.set(Some(catalog));
     catalog
 }
@@ -241,9 +268,16 @@ unsafe extern "C-unwind" fn forget_catalog(_arg: Datum, relid: Oid) {
 
 /// The largest sequence among the rows of `keyed` whose leading key
 /// columns, (aggregate_type, aggregate_id), equal the given ones.
-unsafe fn newest_value(keyed: Keyed, aggregate_type: Datum, aggregate_id: Datum) -> Option<i64> {
-    let heap = pg_sys::table_open(keyed.table, pg_sys::AccessShareLock as _);
-    let index = pg_sys::index_open(keyed.index, pg_sys::AccessShareLock as _);
+/// The table is locked in `mode` (the events table in the mode its insert
+/// takes, so that one lock serves both).
+unsafe fn newest_value(
+    keyed: Keyed,
+    mode: u32,
+    aggregate_type: Datum,
+    aggregate_id: Datum,
+) -> Option<i64> {
+    let heap = pg_sys::table_open(keyed.table, mode as _);
+    let index = pg_sys::index_open(keyed.index, mode as _);
     let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
     for (n, (key, value)) in keys
         .iter_mut()
