@@ -8,13 +8,15 @@
 # at 8 clients. Prints TPS and the ratios. The runs go in rounds, each round
 # running every script once back to back, and the ratios are taken within a
 # round: this VM's speed drifts by +-20% over minutes, a round's neighbours
-# much less. The summary gives each figure's median over the rounds.
+# much less. Short runs and many rounds, with (a) first in odd rounds and
+# last in even ones so that a drift within a round does not favour either
+# side. The summary gives each figure's median over the rounds.
 #   bench/emit.sh [SECONDS_PER_RUN] [ROUNDS]
 set -euo pipefail
 . "$(dirname "$0")/../scripts/env.sh"
 cd "$ROOT"
-SECONDS_PER_RUN=${1:-10}
-ROUNDS=${2:-3}
+SECONDS_PER_RUN=${1:-5}
+ROUNDS=${2:-10}
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 DB=bench_emit
 export PGPASSWORD=$PG_SUPERUSER_PASSWORD
@@ -66,10 +68,9 @@ END;
 SQL
 
 run() { # script clients -> tps
-    # No CHECKPOINT here: one right before a 10 s run charges every first
+    # No CHECKPOINT here: one right before a short run charges every first
     # touch of a random B-tree page with a full-page image, which in service
     # is spread over a whole checkpoint interval (minutes).
-    true
     pgbench -h 127.0.0.1 -p "$PG_PORT" -U postgres -n -M prepared -T "$SECONDS_PER_RUN" -c "$2" -j 2 \
         -f "$dir/$1.sql" $DB 2>/dev/null | awk '/^tps/ {printf "%d", $3}'
 }
@@ -80,7 +81,12 @@ median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR
 declare -a plain emit emit_key hot1 hot8 r_emit r_key r_hot
 printf '%-6s %8s %8s %8s %8s %8s   %s\n' round plain emit emit+key hot@1 hot@8 "ratios (b)/(a) (c)/(a) hot8/hot1" >&2
 for round in $(seq 1 "$ROUNDS"); do
-    p=$(run plain 8); e=$(run emit 8); k=$(run emit_key 8); h1=$(run hot 1); h8=$(run hot 8)
+    if (( round % 2 )); then
+        p=$(run plain 8); e=$(run emit 8); k=$(run emit_key 8)
+    else
+        k=$(run emit_key 8); e=$(run emit 8); p=$(run plain 8)
+    fi
+    h1=$(run hot 1); h8=$(run hot 8)
     plain+=("$p"); emit+=("$e"); emit_key+=("$k"); hot1+=("$h1"); hot8+=("$h8")
     r_emit+=("$(ratio "$e" "$p")"); r_key+=("$(ratio "$k" "$p")"); r_hot+=("$(ratio "$h8" "$h1")")
     printf '%-6s %8s %8s %8s %8s %8s   %s %s %s\n' "$round" "$p" "$e" "$k" "$h1" "$h8" \

@@ -780,7 +780,7 @@ unsafe fn plainly_valid(args: &[Option<Datum>; 9]) -> bool {
     ) else {
         return false;
     };
-    if headers.is_some() {
+    if headers.is_some_and(|h| !headers_plainly_valid(h)) {
         return false;
     }
     let at = bytes(at);
@@ -806,6 +806,50 @@ unsafe fn plainly_valid(args: &[Option<Datum>; 9]) -> bool {
         && expected_seq.is_none_or(|e| e.value() as i64 >= 0)
         && key_ok
         && topic_ok
+}
+
+/// Header names the forwarder sets itself (`outbox.check_event` has the
+/// same list).
+const RESERVED_HEADERS: [&[u8]; 6] = [
+    b"event_id",
+    b"event_type",
+    b"aggregate_type",
+    b"aggregate_seq",
+    b"schema_version",
+    b"occurred_at",
+];
+
+/// Whether the headers are plainly a JSON object of strings under names of
+/// 1 to 255 bytes that are not reserved (anything else goes to
+/// `check_emit`, which has the whole rule and its message).
+unsafe fn headers_plainly_valid(headers: Datum) -> bool {
+    let headers = headers.cast_mut_ptr::<pg_sys::varlena>();
+    if varatt_is_1b_e(headers) || varatt_is_4b_c(headers) {
+        return false;
+    }
+    let jsonb = pg_sys::pg_detoast_datum(headers).cast::<pg_sys::Jsonb>();
+    let root = &mut (*jsonb).root;
+    if root.header & pg_sys::JB_FOBJECT == 0 {
+        return false;
+    }
+    let mut iterator = pg_sys::JsonbIteratorInit(root);
+    let mut value: pg_sys::JsonbValue = std::mem::zeroed();
+    use pg_sys::JsonbIteratorToken::*;
+    loop {
+        match pg_sys::JsonbIteratorNext(&mut iterator, &mut value, true) {
+            WJB_BEGIN_OBJECT | WJB_END_OBJECT => {}
+            WJB_DONE => return true,
+            WJB_KEY => {
+                let name = value.val.string;
+                let name = std::slice::from_raw_parts(name.val.cast::<u8>(), name.len as usize);
+                if name.is_empty() || name.len() > 255 || RESERVED_HEADERS.contains(&name) {
+                    return false;
+                }
+            }
+            WJB_VALUE if value.type_ == pg_sys::jbvType::jbvString => {}
+            _ => return false,
+        }
+    }
 }
 
 unsafe fn uuid_datum(bytes: [u8; 16]) -> Datum {

@@ -51,6 +51,9 @@ async fn every_bad_argument_gets_its_own_sqlstate_and_writes_nothing() {
         ("header value a number", emit(&format!("{ok}, headers => '{{\"a\": 1}}'")), "PO006"),
         ("header name reserved", emit(&format!("{ok}, headers => '{{\"event_id\": \"x\"}}'")), "PO006"),
         ("header name empty", emit(&format!("{ok}, headers => '{{\"\": \"x\"}}'")), "PO006"),
+        ("header name too long", emit(&format!("{ok}, headers => '{{\"{}\": \"x\"}}'", "h".repeat(256))), "PO006"),
+        ("header value an object", emit(&format!("{ok}, headers => '{{\"a\": {{\"b\": \"c\"}}}}'")), "PO006"),
+        ("header value null", emit(&format!("{ok}, headers => '{{\"a\": \"x\", \"b\": null}}'")), "PO006"),
         // other options
         ("schema_version 0", emit(&format!("{ok}, schema_version => 0")), "PO007"),
         ("schema_version NULL", emit(&format!("{ok}, schema_version => NULL")), "PO007"),
@@ -895,5 +898,40 @@ async fn what_an_operator_adds_to_the_events_table_is_honoured() {
         .expect("reinstall");
     assert_eq!(emit("").await.expect("emit after reinstall"), 1);
     indexes_hold_every_row().await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_within_the_rules_are_stored_as_given() {
+    // Names count characters, not bytes: 200 two-byte characters are allowed,
+    // like 255 one-byte ones.
+    let db = TestDb::create("headers").await;
+    let client = db.admin().await;
+    let headers = serde_json::json!({
+        "trace_id": "4bf92f3577b34da6",
+        "h".repeat(255): "longest name",
+        "é".repeat(200): "multibyte name",
+        "tenant": "",
+    });
+    let id: String = client
+        .query_one(
+            "SELECT event_id::text FROM outbox.emit_event('order', 'o-1', 'E', '{}', headers => $1::text::jsonb)",
+            &[&headers.to_string()],
+        )
+        .await
+        .expect("emit with headers")
+        .get(0);
+    let stored: String = client
+        .query_one(
+            "SELECT headers::text FROM outbox.events WHERE event_id = $1::text::uuid",
+            &[&id],
+        )
+        .await
+        .expect("stored")
+        .get(0);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&stored).expect("json"),
+        headers
+    );
     db.drop().await;
 }
