@@ -270,6 +270,12 @@ unsafe extern "C-unwind" fn forget_catalog(_arg: Datum, relid: Oid) {
 /// columns, (aggregate_type, aggregate_id), equal the given ones.
 /// The table is locked in `mode` (the events table in the mode its insert
 /// takes, so that one lock serves both).
+///
+/// Read like an index-only scan: when the visibility map says the heap
+/// page of the newest entry is visible to all, the sequence comes from the
+/// index entry itself (if the index holds it); otherwise the heap tuple is
+/// fetched, and an entry whose tuple the snapshot cannot see (an aborted
+/// emit, say) is passed over for the next older one.
 unsafe fn newest_value(
     keyed: Keyed,
     mode: u32,
@@ -278,6 +284,14 @@ unsafe fn newest_value(
 ) -> Option<i64> {
     let heap = pg_sys::table_open(keyed.table, mode as _);
     let index = pg_sys::index_open(keyed.index, mode as _);
+    let key_columns = (*(*index).rd_index)
+        .indkey
+        .values
+        .as_slice((*(*index).rd_index).indnkeyatts as usize);
+    let in_index = key_columns
+        .iter()
+        .position(|&column| column == keyed.column)
+        .map(|n| n as i32 + 1);
     let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
     for (n, (key, value)) in keys
         .iter_mut()
@@ -287,9 +301,7 @@ unsafe fn newest_value(
         pg_sys::ScanKeyEntryInitialize(
             key,
             0,
-            // The index's key columns map to the table's: column n+1 of
-            // the index is attribute indkey[n] of the table.
-            *(*(*index).rd_index).indkey.values.as_ptr().add(n),
+            n as pg_sys::AttrNumber + 1,
             pg_sys::BTEqualStrategyNumber as _,
             pg_sys::InvalidOid,
             *(*index).rd_indcollation.add(n),
@@ -298,13 +310,50 @@ unsafe fn newest_value(
         );
     }
     let snapshot = pg_sys::RegisterSnapshot(pg_sys::GetLatestSnapshot());
-    let scan = pg_sys::systable_beginscan_ordered(heap, index, snapshot, 2, keys.as_mut_ptr());
-    let tuple =
-        pg_sys::systable_getnext_ordered(scan, pg_sys::ScanDirection::BackwardScanDirection);
-    // NOT NULL column: nocachegetattr reads it whatever else is null.
-    let value = (!tuple.is_null())
-        .then(|| pg_sys::nocachegetattr(tuple, keyed.column as _, (*heap).rd_att).value() as i64);
-    pg_sys::systable_endscan_ordered(scan);
+    let scan = pg_sys::index_beginscan(heap, index, snapshot, 2, 0);
+    (*scan).xs_want_itup = in_index.is_some();
+    pg_sys::index_rescan(scan, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+    let mut vm_buffer: pg_sys::Buffer = pg_sys::InvalidBuffer as _;
+    let mut slot: *mut pg_sys::TupleTableSlot = std::ptr::null_mut();
+    let mut value = None;
+    loop {
+        let tid = pg_sys::index_getnext_tid(scan, pg_sys::ScanDirection::BackwardScanDirection);
+        if tid.is_null() {
+            break;
+        }
+        let block = ((*tid).ip_blkid.bi_hi as u32) << 16 | (*tid).ip_blkid.bi_lo as u32;
+        if let Some(column) = in_index {
+            let all_visible = pg_sys::visibilitymap_get_status(heap, block, &mut vm_buffer) as u32
+                & pg_sys::VISIBILITYMAP_ALL_VISIBLE
+                != 0;
+            if all_visible {
+                let entry = (*scan).xs_itup;
+                value = Some(
+                    pg_sys::nocache_index_getattr(entry, column, (*scan).xs_itupdesc).value()
+                        as i64,
+                );
+                break;
+            }
+        }
+        if slot.is_null() {
+            slot = pg_sys::table_slot_create(heap, std::ptr::null_mut());
+        }
+        if pg_sys::index_fetch_heap(scan, slot) {
+            let tuple = (*slot.cast::<pg_sys::HeapTupleTableSlot>()).tuple;
+            // NOT NULL column: nocachegetattr reads it whatever else is null.
+            value = Some(
+                pg_sys::nocachegetattr(tuple, keyed.column as _, (*heap).rd_att).value() as i64,
+            );
+            break;
+        }
+    }
+    if vm_buffer != pg_sys::InvalidBuffer as pg_sys::Buffer {
+        pg_sys::ReleaseBuffer(vm_buffer);
+    }
+    if !slot.is_null() {
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+    }
+    pg_sys::index_endscan(scan);
     pg_sys::UnregisterSnapshot(snapshot);
     pg_sys::index_close(index, pg_sys::NoLock as _);
     pg_sys::table_close(heap, pg_sys::NoLock as _);

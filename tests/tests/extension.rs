@@ -935,3 +935,54 @@ async fn headers_within_the_rules_are_stored_as_given() {
     );
     db.drop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn numbering_reads_past_rolled_back_events_on_vacuumed_pages() {
+    // The newest sequence comes from the index entry alone when VACUUM has
+    // marked its heap page all-visible, and from the heap otherwise, where
+    // a rolled-back event's entry is passed over.
+    let db = TestDb::create("vacuumed").await;
+    let mut client = db.admin().await;
+    client
+        .batch_execute("CREATE EXTENSION pg_visibility")
+        .await
+        .expect("pg_visibility (PostgreSQL contrib)");
+    let emit = "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')";
+    let page_all_visible = "SELECT all_visible FROM pg_visibility_map('outbox.events', 0)";
+    for expected in 1..=3_i64 {
+        let seq: i64 = client.query_one(emit, &[]).await.expect("emit").get(0);
+        assert_eq!(seq, expected);
+    }
+    let rolled_back = client.transaction().await.expect("begin");
+    let seq: i64 = rolled_back.query_one(emit, &[]).await.expect("emit").get(0);
+    assert_eq!(seq, 4);
+    rolled_back.rollback().await.expect("rollback");
+    let seq: i64 = client.query_one(emit, &[]).await.expect("emit").get(0);
+    assert_eq!(seq, 4, "the rolled-back number is taken again");
+
+    client
+        .batch_execute("VACUUM outbox.events")
+        .await
+        .expect("vacuum");
+    let all_visible: bool = client
+        .query_one(page_all_visible, &[])
+        .await
+        .expect("vm")
+        .get(0);
+    assert!(all_visible, "VACUUM marks the only page all-visible");
+    let seq: i64 = client.query_one(emit, &[]).await.expect("emit").get(0);
+    assert_eq!(seq, 5, "read from the index entry of a page visible to all");
+
+    let stored: Vec<i64> = client
+        .query(
+            "SELECT aggregate_seq FROM outbox.events WHERE aggregate_id = 'o-1' ORDER BY 1",
+            &[],
+        )
+        .await
+        .expect("stored")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(stored, vec![1, 2, 3, 4, 5]);
+    db.drop().await;
+}
