@@ -37,3 +37,11 @@ ALTER TABLE outbox.inbox_positions
     ALTER COLUMN consumer       TYPE text COLLATE "C",
     ALTER COLUMN aggregate_type TYPE text COLLATE "C",
     ALTER COLUMN aggregate_id   TYPE text COLLATE "C";
+
+-- emit_event pins search_path in its own code, around the only statements
+-- it runs (idempotency keys, the wording of a refusal, an INSERT into a
+-- table an operator changed); its common call resolves no name. The SET
+-- clause cost a configuration change on every call. The function stays
+-- SECURITY DEFINER; every other function keeps its SET clause.
+ALTER FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text)
+    RESET search_path;

@@ -490,23 +490,44 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
     ))
 }
 
-/// An SPI connection opened on first need and closed once.
+/// An SPI connection opened on first need and closed once, with
+/// `search_path` pinned to `pg_catalog, pg_temp` while it is open.
+///
+/// `emit_event` is SECURITY DEFINER without a `SET search_path` clause:
+/// that clause costs a configuration change on every call, and the common
+/// call resolves no name at all (relations by cached OID, functions by C
+/// symbol). The statements below are the only place where names are
+/// resolved, so the path is pinned here, the way the clause would pin it,
+/// and a caller's own schemas can never supply an operator or function to
+/// them.
 #[derive(Default)]
 struct Spi {
-    connected: bool,
+    guc_level: Option<std::ffi::c_int>,
 }
 
 impl Spi {
     unsafe fn connect(&mut self) {
-        if !self.connected {
+        if self.guc_level.is_none() {
+            let level = pg_sys::NewGUCNestLevel();
+            pg_sys::set_config_option(
+                c"search_path".as_ptr(),
+                c"pg_catalog, pg_temp".as_ptr(),
+                pg_sys::GucContext::PGC_USERSET,
+                pg_sys::GucSource::PGC_S_SESSION,
+                pg_sys::GucAction::GUC_ACTION_SAVE,
+                true,
+                0,
+                false,
+            );
             pg_sys::SPI_connect();
-            self.connected = true;
+            self.guc_level = Some(level);
         }
     }
 
     unsafe fn finish(&mut self) {
-        if std::mem::take(&mut self.connected) {
+        if let Some(level) = self.guc_level.take() {
             pg_sys::SPI_finish();
+            pg_sys::AtEOXact_GUC(true, level);
         }
     }
 }

@@ -986,3 +986,94 @@ async fn numbering_reads_past_rolled_back_events_on_vacuumed_pages() {
     assert_eq!(stored, vec![1, 2, 3, 4, 5]);
     db.drop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_search_path_cannot_lend_functions_to_the_extension() {
+    // The writer puts a schema of its own first, with an `=` for text and
+    // the functions the validation uses, each of which would raise. None
+    // of them may run, on any path of emit_event or of the other functions.
+    let db = TestDb::create("search_path").await;
+    let (app, client) = login_role(&db, "outbox_writer").await;
+    db.admin()
+        .await
+        .batch_execute(&format!("CREATE SCHEMA trap AUTHORIZATION {app}"))
+        .await
+        .expect("schema");
+    client
+        .batch_execute(
+            "CREATE FUNCTION trap.texteq(a text, b text) RETURNS boolean LANGUAGE plpgsql
+                 AS $$ BEGIN RAISE EXCEPTION 'hijacked: =' USING ERRCODE = 'XX123'; END $$;
+             CREATE OPERATOR trap.= (LEFTARG = text, RIGHTARG = text, FUNCTION = trap.texteq);
+             CREATE FUNCTION trap.length(t text) RETURNS integer LANGUAGE plpgsql
+                 AS $$ BEGIN RAISE EXCEPTION 'hijacked: length' USING ERRCODE = 'XX123'; END $$;
+             CREATE FUNCTION trap.jsonb_typeof(j jsonb) RETURNS text LANGUAGE plpgsql
+                 AS $$ BEGIN RAISE EXCEPTION 'hijacked: jsonb_typeof' USING ERRCODE = 'XX123'; END $$;
+             SET search_path = trap, pg_catalog;",
+        )
+        .await
+        .expect("the trap");
+    // The trap works where the caller's own SQL resolves names.
+    assert_eq!(
+        sqlstate(&client.simple_query("SELECT 'a'::text = 'a'::text").await),
+        "XX123"
+    );
+    let emit = |args: &'static str| {
+        let client = &client;
+        async move {
+            client
+                .simple_query(&format!("SELECT * FROM outbox.emit_event({args})"))
+                .await
+        }
+    };
+    let calls = [
+        // the common call
+        ("'order', 'o-1', 'Placed', '{}'", "00000"),
+        // with headers
+        (
+            "'order', 'o-1', 'Placed', '{}', headers => '{\"trace\": \"t\"}'",
+            "00000",
+        ),
+        // idempotency key: claimed, then replayed
+        (
+            "'order', 'o-1', 'Placed', '{}', idempotency_key => 'k-1'",
+            "00000",
+        ),
+        (
+            "'order', 'o-1', 'Placed', '{}', idempotency_key => 'k-1'",
+            "00000",
+        ),
+        // validation in PL/pgSQL: a refusal, and a valid call it has to word
+        (
+            "'order', 'o-1', 'Placed', '{}', headers => '{\"a\": 1}'",
+            "PO006",
+        ),
+        ("'order', '', 'Placed', '{}'", "PO001"),
+        ("'order', repeat('é', 200), 'Placed', '{}'", "00000"),
+        // expected_seq
+        ("'order', 'o-1', 'Placed', '{}', expected_seq => 0", "PO101"),
+    ];
+    for (args, expected) in calls {
+        let state = match emit(args).await {
+            Ok(_) => "00000".to_owned(),
+            Err(e) => e.code().map(|c| c.code().to_owned()).unwrap_or_default(),
+        };
+        assert_eq!(state, expected, "emit_event({args})");
+    }
+    for sql in [
+        "SELECT * FROM outbox.emit_events('[{\"aggregate_type\": \"order\", \"aggregate_id\": \"o-2\", \"event_type\": \"E\", \"payload\": {}}]')",
+        "SELECT outbox.current_seq('order', 'o-1')",
+    ] {
+        client.simple_query(sql).await.expect(sql);
+    }
+    assert_eq!(
+        client
+            .query_one("SELECT outbox.current_seq('order', 'o-1')", &[])
+            .await
+            .expect("current_seq")
+            .get::<_, i64>(0),
+        3
+    );
+    drop(client);
+    drop_roles(&db, &[&app]).await;
+    db.drop().await;
+}
