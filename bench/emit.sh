@@ -16,7 +16,7 @@ set -euo pipefail
 . "$(dirname "$0")/../scripts/env.sh"
 cd "$ROOT"
 SECONDS_PER_RUN=${1:-5}
-ROUNDS=${2:-10}
+ROUNDS=${2:-11}
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 DB=bench_emit
 export PGPASSWORD=$PG_SUPERUSER_PASSWORD
