@@ -69,6 +69,9 @@ use crate::slot;
 
 /// How long a graceful shutdown waits for outstanding delivery reports.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a forwarder halting on a poison event waits for the events it
+/// produced before it to be delivered.
+const POISON_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often the confirmed position is recorded in `outbox.relay_progress`.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
 /// How long reading the stored offset may take.
@@ -237,41 +240,57 @@ impl<'a> Session<'a> {
             recorded: Lsn::ZERO,
             dead_lettered: 0,
         };
-        let mut stream = ReplicationStream::connect(config).await?;
+        let outcome = session.serve(shutdown).await;
+        if matches!(outcome, Err(Error::Poison { .. })) && config.delivery == Delivery::AtLeastOnce
+        {
+            // The events produced before the poison one still go out, so
+            // consumers have everything up to it while the forwarder is
+            // halted. None is confirmed: the next start may send them again.
+            if let Err(e) = session.producer.flush(POISON_FLUSH_TIMEOUT) {
+                tracing::warn!(error = %e, "events before the poison event not all delivered; the next start sends them");
+            }
+        }
+        outcome
+    }
+
+    /// Streams from the slot, after the first-start catch-up if it is due,
+    /// until shutdown or an error.
+    async fn serve(&mut self, shutdown: &mut watch::Receiver<bool>) -> Result<()> {
+        let mut stream = ReplicationStream::connect(self.config).await?;
         let mut initialized = false;
-        if config.delivery == Delivery::ExactlyOnce {
-            session.offsets.ensure_topic().await?;
+        if self.config.delivery == Delivery::ExactlyOnce {
+            self.offsets.ensure_topic().await?;
         }
-        if !session.is_caught_up().await? {
-            initialized = session.create_slot_and_catch_up(&mut stream).await?;
+        if !self.is_caught_up().await? {
+            initialized = self.create_slot_and_catch_up(&mut stream).await?;
         }
-        stream.start(&config.slot).await?;
+        stream.start(&self.config.slot).await?;
         let mut skip_before = Lsn::ZERO;
-        if config.delivery == Delivery::ExactlyOnce {
+        if self.config.delivery == Delivery::ExactlyOnce {
             // Holding the slot now: fence any older producer of our id, then
             // read where Kafka is.
             if !initialized {
-                session.producer.init_transactions().await?;
+                self.producer.init_transactions().await?;
             }
-            if let Some(stored) = session.offsets.load_async(OFFSET_LOAD_TIMEOUT).await? {
+            if let Some(stored) = self.offsets.load_async(OFFSET_LOAD_TIMEOUT).await? {
                 skip_before = stored;
-                session.confirm(&stream, stored);
+                self.confirm(&stream, stored);
                 tracing::info!(stored_offset = %stored, "resuming after the stored offset");
             }
         }
-        session.metrics.set_state(State::Streaming);
-        tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, "streaming");
-        let outcome = session.stream(&mut stream, skip_before, shutdown).await;
-        if outcome.is_err() && session.kafka_txn.is_some() {
+        self.metrics.set_state(State::Streaming);
+        tracing::info!(slot = %self.config.slot, publication = %self.config.publication, database = %self.config.postgres.dbname(), delivery = ?self.config.delivery, "streaming");
+        let outcome = self.stream(&mut stream, skip_before, shutdown).await;
+        if outcome.is_err() && self.kafka_txn.is_some() {
             // Best effort: the next session's init_transactions aborts it anyway.
-            let _best_effort = session.producer.abort_transaction().await;
+            let _best_effort = self.producer.abort_transaction().await;
         }
         outcome?;
         stream.close().await?;
         // The stream may have closed before its last status update went out.
-        slot::advance(&session.sql, &config.slot, session.confirmed).await?;
-        slot::record_progress(&session.sql, &config.slot, session.confirmed, false).await?;
-        tracing::info!(confirmed_lsn = %session.confirmed, "stopped");
+        slot::advance(&self.sql, &self.config.slot, self.confirmed).await?;
+        slot::record_progress(&self.sql, &self.config.slot, self.confirmed, false).await?;
+        tracing::info!(confirmed_lsn = %self.confirmed, "stopped");
         Ok(())
     }
 
