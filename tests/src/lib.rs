@@ -434,6 +434,29 @@ impl Reader {
         true
     }
 
+    /// The partition's high watermark. Right after a broker restart the
+    /// partition may have no leader yet for a moment; that is retried until
+    /// `timeout`.
+    async fn high_watermark(&mut self, topic: &str, partition: i32, timeout: Duration) -> i64 {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let error =
+                match self
+                    .consumer
+                    .fetch_watermarks(topic, partition, Duration::from_secs(10))
+                {
+                    Ok((_, high)) => return high,
+                    Err(e) => e.to_string(),
+                };
+            assert!(
+                Instant::now() < deadline,
+                "watermarks of {topic}/{partition}: {error}"
+            );
+            eprintln!("watermarks of {topic}/{partition} not yet available: {error}");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     /// Reads until this consumer's position has reached the end of every
     /// partition of `topics` as it stands now (for read_committed, the last
     /// stable offset): nothing written before this call is left unread.
@@ -444,14 +467,15 @@ impl Reader {
                 .consumer
                 .fetch_metadata(Some(topic), Duration::from_secs(10))
                 .expect("metadata");
-            for t in metadata.topics() {
-                for p in t.partitions() {
-                    let (_, high) = self
-                        .consumer
-                        .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
-                        .expect("watermarks");
-                    ends.push((topic.to_string(), p.id(), high));
-                }
+            let partitions: Vec<i32> = metadata
+                .topics()
+                .iter()
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            drop(metadata);
+            for partition in partitions {
+                let high = self.high_watermark(topic, partition, timeout).await;
+                ends.push((topic.to_string(), partition, high));
             }
         }
         let deadline = Instant::now() + timeout;
