@@ -19,9 +19,13 @@ PGRX_VERSION=0.18.1
 PG_SUPERUSER_PASSWORD=postgres
 FORWARDER_ROLE=outbox_forwarder
 FORWARDER_PASSWORD=forwarder
+# The database owner of a managed service: CREATEROLE, not a superuser.
+OWNER_ROLE=outbox_owner
+OWNER_PASSWORD=owner
 
 PGURL="postgres://postgres:$PG_SUPERUSER_PASSWORD@127.0.0.1:$PG_PORT/postgres"
 FORWARDER_PGURL="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/postgres"
+OWNER_PGURL="postgres://$OWNER_ROLE:$OWNER_PASSWORD@127.0.0.1:$PG_PORT/postgres"
 KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
 KAFKA_TLS_BOOTSTRAP="localhost:$KAFKA_TLS_PORT"
 KAFKA_SASL_USER=forwarder

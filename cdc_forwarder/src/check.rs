@@ -122,16 +122,20 @@ async fn postgres(config: &Config) -> Vec<Check> {
             Err(e) => Check::fail("replication", e.to_string()),
         },
     );
-    let extension = one("SELECT extversion FROM pg_extension WHERE extname = 'pg_outbox'").await;
-    checks.push(match extension {
-        Ok(row) => Check::ok(
-            "extension",
-            format!("pg_outbox {}", row.get::<_, String>(0)),
-        ),
-        Err(_) => Check::fail(
+    // The extension, or the SQL edition, which marks its version in the
+    // schema's comment.
+    let outbox = one(
+        "SELECT coalesce((SELECT 'pg_outbox ' || extversion FROM pg_extension WHERE extname = 'pg_outbox'),
+                         (SELECT d FROM obj_description(to_regnamespace('outbox'), 'pg_namespace') d
+                           WHERE d LIKE 'pg_outbox SQL edition %'))",
+    )
+    .await;
+    checks.push(match outbox.map(|row| row.get::<_, Option<String>>(0)) {
+        Ok(Some(installed)) => Check::ok("extension", installed),
+        _ => Check::fail(
             "extension",
             format!(
-                "pg_outbox is not installed in {}; run CREATE EXTENSION pg_outbox as a superuser",
+                "pg_outbox is not installed in {}; run CREATE EXTENSION pg_outbox as a superuser, or on managed PostgreSQL install sql/pg_outbox_sql.sql as the database owner",
                 config.postgres.dbname()
             ),
         ),

@@ -1,10 +1,13 @@
 //! pg_outbox: the PostgreSQL side of the transactional outbox.
 //!
-//! The schema and the SQL API live in `sql/` and are loaded in a fixed order:
-//! version 0.1.0's `bootstrap.sql` (tables, roles), the Rust functions below,
-//! 0.1.0's `api.sql`, then every upgrade script in order. A fresh install is
-//! therefore the same as an upgraded one. Released files are never edited;
-//! a change goes into a new `pg_outbox--A--B.sql`.
+//! The schema and the SQL API of the current version are one file,
+//! `sql/pg_outbox.sql`, which a fresh install runs after pgrx declares the
+//! Rust function below. An older install reaches the same catalog through
+//! the released upgrade scripts `sql/pg_outbox--A--B.sql` (never edited; a
+//! test compares the catalogs), and 0.1.0's own install script is rebuilt
+//! from its frozen `bootstrap.sql` and `api.sql` by
+//! `scripts/released-sql.sh`. The SQL edition for managed PostgreSQL is
+//! assembled from `sql/pg_outbox.sql` too (`scripts/sql-edition`).
 
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use pgrx::prelude::*;
@@ -29,8 +32,6 @@ pub extern "C-unwind" fn _PG_init() {
         GucFlags::default(),
     );
 }
-
-extension_sql_file!("../sql/bootstrap.sql", name = "bootstrap", bootstrap);
 
 /// A time-ordered UUID (version 7): event ids sort by creation time, which
 /// keeps the primary key index append-mostly.
@@ -113,21 +114,10 @@ fn random_bits() -> u64 {
     result
 }
 
-extension_sql_file!("../sql/api.sql", name = "api", requires = [uuid_v7]);
 extension_sql_file!(
-    "../sql/pg_outbox--0.1.0--0.2.0.sql",
-    name = "v0_2_0",
-    requires = ["api"]
-);
-extension_sql_file!(
-    "../sql/pg_outbox--0.2.0--0.3.0.sql",
-    name = "v0_3_0",
-    requires = ["v0_2_0"]
-);
-extension_sql_file!(
-    "../sql/pg_outbox--0.3.0--0.4.0.sql",
-    name = "v0_4_0",
-    requires = ["v0_3_0"],
+    "../sql/pg_outbox.sql",
+    name = "schema",
+    requires = [uuid_v7],
     finalize
 );
 

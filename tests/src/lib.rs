@@ -3,6 +3,8 @@
 //! `outbox-forwarder` binary as a child process, and a `read_committed` Kafka
 //! consumer that reads back what arrived.
 
+pub mod catalog;
+
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -23,6 +25,8 @@ use tokio_postgres::{Client, NoTls};
 pub struct Stack {
     pub admin_url: String,
     pub forwarder_url: String,
+    /// A database owner without superuser, as managed PostgreSQL gives one.
+    pub owner_url: String,
     pub kafka: String,
 }
 
@@ -39,6 +43,7 @@ impl Stack {
         Stack {
             admin_url: get("PGURL"),
             forwarder_url: get("FORWARDER_PGURL"),
+            owner_url: get("OWNER_PGURL"),
             kafka: get("KAFKA_BOOTSTRAP"),
         }
     }
@@ -97,8 +102,69 @@ pub async fn connect(url: &str) -> Client {
     client
 }
 
-/// A database of its own with the extension installed, and a slot name and a
-/// topic prefix of its own.
+/// Which edition of the outbox the tests install: the extension, or with
+/// `OUTBOX_EDITION=sql` the SQL edition, installed by a database owner that
+/// is not a superuser, as on managed PostgreSQL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Edition {
+    Extension,
+    Sql,
+}
+
+impl Edition {
+    pub fn from_env() -> Edition {
+        match std::env::var("OUTBOX_EDITION").as_deref() {
+            Ok("sql") => Edition::Sql,
+            Ok("extension") | Ok("") | Err(_) => Edition::Extension,
+            Ok(other) => panic!("OUTBOX_EDITION is {other:?}; use extension or sql"),
+        }
+    }
+
+    /// Prints why a test does not run on the SQL edition and tells the
+    /// caller to return: never a silent skip.
+    pub fn skip_on_sql(reason: &str) -> bool {
+        let skip = Edition::from_env() == Edition::Sql;
+        if skip {
+            eprintln!("skipped on the SQL edition: {reason}");
+        }
+        skip
+    }
+}
+
+/// The user name of a libpq URL.
+pub fn user_of(url: &str) -> &str {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let credentials = rest
+        .split_once('@')
+        .map_or("", |(credentials, _)| credentials);
+    credentials.split(':').next().unwrap_or_default()
+}
+
+/// The SQL edition's file, as a user runs it.
+pub fn sql_edition_file() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sql/pg_outbox_sql.sql")
+}
+
+/// Runs the SQL edition's file with psql against `url`, as its README says.
+pub async fn install_sql_edition(url: &str) {
+    let output = Command::new("psql")
+        .arg(url)
+        .arg("-q")
+        .arg("-f")
+        .arg(sql_edition_file())
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .expect("run psql");
+    assert!(
+        output.status.success(),
+        "installing the SQL edition failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// A database of its own with the outbox installed (see [`Edition`]), and a
+/// slot name and a topic prefix of its own.
 pub struct TestDb {
     pub stack: Stack,
     pub name: String,
@@ -121,19 +187,34 @@ impl TestDb {
             stack,
             name,
         };
-        // OUTBOX_EXTENSION_FROM=0.1.0 installs that released version and
-        // upgrades it, so the suite runs on an upgraded extension.
-        let install = match std::env::var("OUTBOX_EXTENSION_FROM") {
-            Ok(version) if !version.is_empty() => format!(
-                "CREATE EXTENSION pg_outbox VERSION '{version}'; ALTER EXTENSION pg_outbox UPDATE"
-            ),
-            _ => "CREATE EXTENSION pg_outbox".to_owned(),
-        };
-        db.admin()
-            .await
-            .batch_execute(&install)
-            .await
-            .expect("create extension");
+        match Edition::from_env() {
+            Edition::Extension => {
+                // OUTBOX_EXTENSION_FROM=0.1.0 installs that released version and
+                // upgrades it, so the suite runs on an upgraded extension.
+                let install = match std::env::var("OUTBOX_EXTENSION_FROM") {
+                    Ok(version) if !version.is_empty() => format!(
+                        "CREATE EXTENSION pg_outbox VERSION '{version}'; ALTER EXTENSION pg_outbox UPDATE"
+                    ),
+                    _ => "CREATE EXTENSION pg_outbox".to_owned(),
+                };
+                db.admin()
+                    .await
+                    .batch_execute(&install)
+                    .await
+                    .expect("create extension");
+            }
+            Edition::Sql => {
+                admin
+                    .batch_execute(&format!(
+                        "ALTER DATABASE {} OWNER TO {}",
+                        db.name,
+                        user_of(&db.stack.owner_url)
+                    ))
+                    .await
+                    .expect("hand the database to its owner");
+                install_sql_edition(&with_database(&db.stack.owner_url, &db.name)).await;
+            }
+        }
         db
     }
 

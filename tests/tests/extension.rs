@@ -6,7 +6,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pg_outbox_tests::{connect, sqlstate, unique, with_database, Forwarder, Reader, TestDb};
+use pg_outbox_tests::{
+    catalog, connect, sqlstate, unique, with_database, Edition, Forwarder, Reader, TestDb,
+};
 use rand::seq::SliceRandom;
 use tokio::sync::Barrier;
 use tokio_postgres::Client;
@@ -643,66 +645,166 @@ async fn retention_prunes_only_what_the_forwarder_confirmed() {
     db.drop().await;
 }
 
+/// A database of its own, owned by `owner` (a role name) when given.
+async fn scratch_database(prefix: &str, owner: Option<&str>) -> String {
+    let stack = pg_outbox_tests::Stack::from_env();
+    let name = unique(prefix);
+    let owner = owner.map_or(String::new(), |owner| format!(" OWNER {owner}"));
+    connect(&stack.admin_url)
+        .await
+        .batch_execute(&format!("CREATE DATABASE {name}{owner}"))
+        .await
+        .expect("create database");
+    name
+}
+
+async fn drop_databases(names: &[&str]) {
+    let admin = connect(&pg_outbox_tests::Stack::from_env().admin_url).await;
+    for name in names {
+        let _ = admin
+            .batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)"))
+            .await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgraded_extension_equals_a_fresh_one() {
+    if Edition::skip_on_sql("it compares installs of the extension") {
+        return;
+    }
     // Both installs in databases of their own; their catalogs must match.
     let stack = pg_outbox_tests::Stack::from_env();
-    let admin = connect(&stack.admin_url).await;
-    let (fresh, upgraded) = (unique("t_fresh"), unique("t_upgraded"));
-    for db in [&fresh, &upgraded] {
-        admin
-            .batch_execute(&format!("CREATE DATABASE {db}"))
-            .await
-            .expect("create");
-    }
-    connect(&with_database(&stack.admin_url, &fresh))
-        .await
+    let fresh = scratch_database("t_fresh", None).await;
+    let upgraded = scratch_database("t_upgraded", None).await;
+    let fresh_client = connect(&with_database(&stack.admin_url, &fresh)).await;
+    fresh_client
         .batch_execute("CREATE EXTENSION pg_outbox")
         .await
         .expect("fresh install");
-    connect(&with_database(&stack.admin_url, &upgraded))
-        .await
+    let upgraded_client = connect(&with_database(&stack.admin_url, &upgraded)).await;
+    upgraded_client
         .batch_execute(
             "CREATE EXTENSION pg_outbox VERSION '0.1.0'; ALTER EXTENSION pg_outbox UPDATE",
         )
         .await
         .expect("upgrade");
-    let describe = "
-        SELECT 'function ' || p.oid::regprocedure || ' ' || md5(p.prosrc) || ' ' || p.prosecdef || ' '
-               || p.provolatile::text || ' ' || coalesce(p.proconfig::text, '') || ' ' || coalesce(p.proacl::text, '')
-          FROM pg_proc p WHERE p.pronamespace = 'outbox'::regnamespace
-        UNION ALL
-        SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod) || ' ' || a.attnotnull
-               || ' ' || coalesce(a.attcollation::regcollation::text, '')
-          FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
-         WHERE c.relnamespace = 'outbox'::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
-        UNION ALL
-        SELECT 'relation ' || c.relname || ' ' || c.relkind::text || ' ' || coalesce(c.relacl::text, '') || ' ' || coalesce(c.reloptions::text, '')
-          FROM pg_class c WHERE c.relnamespace = 'outbox'::regnamespace
-        UNION ALL
-        SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(oid)
-          FROM pg_constraint WHERE connamespace = 'outbox'::regnamespace
-        ORDER BY 1";
-    let mut catalogs = Vec::new();
-    for db in [&fresh, &upgraded] {
-        let rows = connect(&with_database(&stack.admin_url, db))
-            .await
-            .query(describe, &[])
-            .await
-            .expect("describe");
-        catalogs.push(
-            rows.iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect::<Vec<_>>(),
-        );
+    let fresh_catalog = catalog::describe(&fresh_client).await;
+    let upgraded_catalog = catalog::describe(&upgraded_client).await;
+    assert!(fresh_catalog.len() > 100, "{fresh_catalog:#?}");
+    assert!(
+        fresh_catalog == upgraded_catalog,
+        "a fresh install (first) and one upgraded from 0.1.0 (second) differ:\n{}",
+        catalog::difference(&fresh_catalog, &upgraded_catalog)
+    );
+    drop((fresh_client, upgraded_client));
+    drop_databases(&[&fresh, &upgraded]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_edition_equals_the_extension_but_for_the_language_of_its_c_functions() {
+    if Edition::skip_on_sql("it installs both editions itself") {
+        return;
     }
-    assert!(catalogs[0].len() > 20);
-    assert_eq!(catalogs[0], catalogs[1]);
-    for db in [&fresh, &upgraded] {
-        let _ = admin
-            .batch_execute(&format!("DROP DATABASE {db} WITH (FORCE)"))
-            .await;
-    }
+    let stack = pg_outbox_tests::Stack::from_env();
+    let owner = pg_outbox_tests::user_of(&stack.owner_url).to_owned();
+    let extension = scratch_database("t_ext", None).await;
+    let edition = scratch_database("t_edition", Some(&owner)).await;
+    let extension_client = connect(&with_database(&stack.admin_url, &extension)).await;
+    extension_client
+        .batch_execute("CREATE EXTENSION pg_outbox")
+        .await
+        .expect("extension");
+    let edition_url = with_database(&stack.owner_url, &edition);
+    pg_outbox_tests::install_sql_edition(&edition_url).await;
+    let edition_client = connect(&edition_url).await;
+    let owner_is_superuser: bool = edition_client
+        .query_one(
+            "SELECT rolsuper FROM pg_roles WHERE rolname = current_user",
+            &[],
+        )
+        .await
+        .expect("role")
+        .get(0);
+    assert!(
+        !owner_is_superuser,
+        "the edition must install without a superuser"
+    );
+
+    let extension_catalog = catalog::describe(&extension_client).await;
+    let edition_catalog = catalog::describe(&edition_client).await;
+    // The functions written in C: their implementation lines may differ.
+    let c_functions: Vec<String> = extension_catalog
+        .iter()
+        .filter_map(|line| {
+            let rest = line.strip_prefix("body ")?;
+            let (signature, implementation) = rest.split_once(' ')?;
+            implementation
+                .starts_with("c ")
+                .then(|| signature.to_owned())
+        })
+        .collect();
+    assert_eq!(
+        c_functions,
+        [
+            "outbox.emit_event(text,text,text,jsonb,jsonb,integer,bigint,text,text)",
+            "outbox.lock_aggregate(text,text)",
+            "outbox.uuid_v7()"
+        ]
+    );
+    let interface = |catalog: &[String]| -> Vec<String> {
+        catalog
+            .iter()
+            .filter(|line| {
+                !c_functions
+                    .iter()
+                    .any(|f| line.starts_with(&format!("body {f} ")))
+            })
+            .cloned()
+            .collect()
+    };
+    let (extension_interface, edition_interface) =
+        (interface(&extension_catalog), interface(&edition_catalog));
+    assert!(
+        extension_interface == edition_interface,
+        "the extension (first) and the SQL edition (second) differ:\n{}",
+        catalog::difference(&extension_interface, &edition_interface)
+    );
+    assert!(
+        !edition_catalog.iter().any(|line| line.contains(" c ")),
+        "the SQL edition declares a C function"
+    );
+
+    // Run again over itself: nothing changes, no event is lost.
+    let emitted: i64 = edition_client
+        .query_one(
+            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'Placed', '{}')",
+            &[],
+        )
+        .await
+        .expect("emit on the edition")
+        .get(0);
+    assert_eq!(emitted, 1);
+    pg_outbox_tests::install_sql_edition(&edition_url).await;
+    assert_eq!(catalog::describe(&edition_client).await, edition_catalog);
+    assert_eq!(count(&edition_client, "events").await, 1);
+
+    // Over the extension, or a schema outbox of someone else's: refused.
+    let refused = tokio::process::Command::new("psql")
+        .arg(with_database(&stack.admin_url, &extension))
+        .arg("-q")
+        .arg("-f")
+        .arg(pg_outbox_tests::sql_edition_file())
+        .output()
+        .await
+        .expect("psql");
+    assert!(!refused.status.success());
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("this database has the pg_outbox extension"),
+        "{stderr}"
+    );
+    drop((extension_client, edition_client));
+    drop_databases(&[&extension, &edition]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -732,6 +834,23 @@ async fn repeatable_read_writers_number_after_what_committed_meanwhile() {
             .get::<_, i64>(0),
         1
     );
+    if Edition::from_env() == Edition::Sql {
+        // The SQL edition reads with the transaction's snapshot: it refuses
+        // with a serialization failure, and a retry numbers after.
+        assert_eq!(sqlstate(&tx.query_one(emit, &[]).await), "40001");
+        tx.rollback().await.expect("rollback");
+        let retry = early
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .start()
+            .await
+            .expect("begin");
+        let seq: i64 = retry.query_one(emit, &[]).await.expect("retried").get(0);
+        assert_eq!(seq, 2);
+        retry.commit().await.expect("commit");
+        db.drop().await;
+        return;
+    }
     let seq: i64 = tx
         .query_one(emit, &[])
         .await
@@ -744,6 +863,9 @@ async fn repeatable_read_writers_number_after_what_committed_meanwhile() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_from_0_2_0_keeps_every_numbering_and_idempotency_key() {
+    if Edition::skip_on_sql("it upgrades the extension") {
+        return;
+    }
     let stack = pg_outbox_tests::Stack::from_env();
     let name = unique("t_from020");
     connect(&stack.admin_url)
@@ -890,6 +1012,11 @@ async fn what_an_operator_adds_to_the_events_table_is_honoured() {
         .get(0);
     assert_eq!(stored, 4, "the refused event left nothing behind");
 
+    if Edition::from_env() == Edition::Sql {
+        eprintln!("not run on the SQL edition: dropping and making the extension again");
+        db.drop().await;
+        return;
+    }
     // The extension dropped and made again under the same session: its new
     // tables are found, not the old ones' ids.
     client

@@ -22,6 +22,7 @@ async fn main() -> ExitCode {
     let stack = Stack {
         admin_url: String::new(),
         forwarder_url: String::new(),
+        owner_url: String::new(),
         kafka: bootstrap.clone(),
     };
     let topics: Vec<&str> = topics.split(',').collect();

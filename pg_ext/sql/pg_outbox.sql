@@ -1,0 +1,681 @@
+-- pg_outbox: the whole schema of the current version, in one file.
+--
+-- A fresh `CREATE EXTENSION pg_outbox` runs this file (after pgrx declares
+-- the Rust function outbox.uuid_v7()); a database on an older version gets
+-- the same schema from the released upgrade scripts pg_outbox--A--B.sql,
+-- which are never edited. A test compares the two catalogs.
+--
+-- The SQL edition (sql/pg_outbox_sql.sql, for managed PostgreSQL) is
+-- assembled from this file by scripts/sql-edition: each block between
+-- `--@c-function NAME` and `--@end` declares a function written in C (Rust)
+-- here, and is replaced there by the PL/pgSQL block of the same name in
+-- sql_edition.sql. Everything else is the same text in both editions.
+--
+-- A change to this file is a new version: it comes with a new upgrade
+-- script that brings the previous version to the same catalog.
+
+-- Roles are cluster-wide: create them once, keep them across databases.
+DO $roles$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_writer') THEN
+        CREATE ROLE outbox_writer NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_relay') THEN
+        CREATE ROLE outbox_relay NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_consumer') THEN
+        CREATE ROLE outbox_consumer NOLOGIN;
+    END IF;
+END
+$roles$;
+GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_relay, outbox_consumer;
+
+------------------------------------------------------------------------------
+-- Tables. Identifier columns use the "C" collation: only their equality
+-- matters, and their index probes then compare bytes.
+
+CREATE TABLE outbox.events (
+    event_id       uuid        NOT NULL,
+    aggregate_type text        COLLATE "C" NOT NULL,
+    aggregate_id   text        COLLATE "C" NOT NULL,
+    aggregate_seq  bigint      NOT NULL,
+    event_type     text        NOT NULL,
+    schema_version integer     NOT NULL DEFAULT 1,
+    payload        jsonb       NOT NULL,
+    headers        jsonb,
+    topic          text,
+    occurred_at    timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
+    txid           xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    -- The key of an event, and the index its aggregate's newest sequence is
+    -- read from. Event ids are unique by construction (version 7 UUIDs).
+    CONSTRAINT events_aggregate_seq_key UNIQUE (aggregate_type, aggregate_id, aggregate_seq)
+);
+ALTER TABLE outbox.events REPLICA IDENTITY USING INDEX events_aggregate_seq_key;
+COMMENT ON TABLE outbox.events IS 'Immutable outbox events, written only by outbox.emit_event and streamed to Kafka by outbox-forwarder.';
+COMMENT ON COLUMN outbox.events.event_id IS 'Time-ordered UUID (version 7); the Kafka header event_id.';
+COMMENT ON COLUMN outbox.events.aggregate_type IS 'Kind of aggregate; picks the topic through the forwarder''s template.';
+COMMENT ON COLUMN outbox.events.aggregate_id IS 'Aggregate identity; the Kafka record key.';
+COMMENT ON COLUMN outbox.events.aggregate_seq IS 'Position of the event in its aggregate: 1, 2, 3, ... without gaps, in commit order.';
+COMMENT ON COLUMN outbox.events.event_type IS 'Name of the event; the Kafka header event_type.';
+COMMENT ON COLUMN outbox.events.schema_version IS 'Version of the payload''s schema for this event type.';
+COMMENT ON COLUMN outbox.events.payload IS 'The Kafka record value.';
+COMMENT ON COLUMN outbox.events.headers IS 'Extra Kafka headers: a JSON object of strings.';
+COMMENT ON COLUMN outbox.events.topic IS 'Topic that overrides the forwarder''s template for this event.';
+COMMENT ON COLUMN outbox.events.occurred_at IS 'When emit_event ran.';
+COMMENT ON COLUMN outbox.events.txid IS 'The writing transaction.';
+
+CREATE FUNCTION outbox.refuse_event_change() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    RAISE EXCEPTION 'outbox events are immutable'
+        USING ERRCODE = 'PO010',
+              HINT = 'Emit a new event with outbox.emit_event instead of changing a stored one.';
+END
+$$;
+CREATE TRIGGER events_immutable BEFORE UPDATE ON outbox.events
+    FOR EACH ROW EXECUTE FUNCTION outbox.refuse_event_change();
+
+-- Aggregates whose every event a 0.2.0 prune deleted: their numbering goes
+-- on from here. Filled only by the upgrade to 0.3.0; later prunes never
+-- empty an aggregate.
+CREATE TABLE outbox.sequence_floors (
+    aggregate_type text   COLLATE "C" NOT NULL,
+    aggregate_id   text   COLLATE "C" NOT NULL,
+    last_seq       bigint NOT NULL,
+    PRIMARY KEY (aggregate_type, aggregate_id)
+);
+COMMENT ON TABLE outbox.sequence_floors IS 'Last sequence of aggregates that have no stored event left (pruned before 0.3.0).';
+
+CREATE TABLE outbox.idempotency_keys (
+    aggregate_type  text        COLLATE "C" NOT NULL,
+    idempotency_key text        COLLATE "C" NOT NULL,
+    event_id        uuid        NOT NULL,
+    created_at      timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    -- A replayed key answers from its own row.
+    aggregate_id    text        COLLATE "C",
+    aggregate_seq   bigint,
+    PRIMARY KEY (aggregate_type, idempotency_key)
+);
+COMMENT ON TABLE outbox.idempotency_keys IS 'First event emitted under each idempotency key, per aggregate type.';
+
+-- What each forwarder (one per slot) has recorded: when its first-start
+-- catch-up finished, the last position it confirmed, and the snapshot marks
+-- that tell retention and status which committed transactions it delivered.
+-- Written by the forwarder through outbox.record_relay_progress.
+CREATE TABLE outbox.relay_progress (
+    slot_name      name        NOT NULL PRIMARY KEY,
+    caught_up_at   timestamptz,
+    caught_up_lsn  pg_lsn,
+    confirmed_lsn  pg_lsn,
+    updated_at     timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    mark_snapshot  pg_snapshot,
+    mark_lsn       pg_lsn,
+    safe_snapshot  pg_snapshot,
+    safe_at        timestamptz
+);
+COMMENT ON TABLE outbox.relay_progress IS 'Per slot: first-start catch-up done and last confirmed position, recorded by outbox-forwarder.';
+
+CREATE TABLE outbox.inbox_consumers (
+    consumer   text        COLLATE "C" NOT NULL PRIMARY KEY,
+    owner      name        NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT pg_catalog.now()
+);
+COMMENT ON TABLE outbox.inbox_consumers IS 'Inbox consumers and the role whose members may use each.';
+
+CREATE TABLE outbox.inbox (
+    consumer       text        COLLATE "C" NOT NULL,
+    event_id       uuid        NOT NULL,
+    aggregate_type text        COLLATE "C",
+    aggregate_id   text        COLLATE "C",
+    aggregate_seq  bigint,
+    received_at    timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    PRIMARY KEY (consumer, event_id)
+);
+COMMENT ON TABLE outbox.inbox IS 'Events each consumer has processed, recorded in the consumer''s own transaction.';
+
+CREATE TABLE outbox.inbox_positions (
+    consumer       text   COLLATE "C" NOT NULL,
+    aggregate_type text   COLLATE "C" NOT NULL,
+    aggregate_id   text   COLLATE "C" NOT NULL,
+    last_seq       bigint NOT NULL,
+    PRIMARY KEY (consumer, aggregate_type, aggregate_id)
+) WITH (fillfactor = 50);
+COMMENT ON TABLE outbox.inbox_positions IS 'Highest sequence each consumer has processed per aggregate.';
+
+REVOKE ALL ON outbox.events, outbox.sequence_floors, outbox.idempotency_keys, outbox.relay_progress,
+              outbox.inbox_consumers, outbox.inbox, outbox.inbox_positions FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.refuse_event_change() FROM PUBLIC;
+-- The forwarder reads events for its first-start catch-up, and its progress.
+GRANT SELECT ON outbox.events, outbox.relay_progress TO outbox_relay;
+
+------------------------------------------------------------------------------
+-- Validation: every check raises before anything is written.
+-- SQLSTATEs (class PO, documented in the README):
+--   PO001 required argument NULL or empty   PO002 name not valid
+--   PO003 value too long                    PO004 payload too large
+--   PO005 topic name Kafka would refuse     PO006 headers not an object of strings
+--   PO007 argument out of range             PO008 batch not valid
+--   PO010 events are immutable              PO011 inbox consumer not allowed
+--   PO101 sequence conflict (expected_seq)
+
+-- Not SECURITY DEFINER and called from functions that pin search_path, so it
+-- needs no SET clause of its own (which would cost a GUC save and restore on
+-- every emit).
+CREATE FUNCTION outbox.check_event(
+    aggregate_type text, aggregate_id text, event_type text, payload jsonb,
+    headers jsonb, schema_version integer, topic text
+) RETURNS void
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+AS $$
+DECLARE
+    limit_bytes bigint := coalesce(nullif(current_setting('pg_outbox.max_payload_bytes', true), '')::bigint, 1000000);
+    bad_header text;
+BEGIN
+    IF aggregate_type IS NULL OR aggregate_type = '' THEN
+        RAISE EXCEPTION 'aggregate_type must not be NULL or empty'
+            USING ERRCODE = 'PO001', HINT = 'Pass the kind of aggregate, for example ''order''.';
+    END IF;
+    IF length(aggregate_type) > 128 THEN
+        RAISE EXCEPTION 'aggregate_type is % characters long; the limit is 128', length(aggregate_type)
+            USING ERRCODE = 'PO003', HINT = 'Use a short name for the kind of aggregate.';
+    END IF;
+    IF aggregate_type !~ '^[A-Za-z0-9._-]+$' THEN
+        RAISE EXCEPTION 'aggregate_type % has characters a Kafka topic name cannot hold', quote_literal(aggregate_type)
+            USING ERRCODE = 'PO007', HINT = 'Use only a-z, A-Z, 0-9, ".", "_" and "-": the default topic is outbox.{aggregate_type}.';
+    END IF;
+    IF aggregate_id IS NULL OR aggregate_id = '' THEN
+        RAISE EXCEPTION 'aggregate_id must not be NULL or empty'
+            USING ERRCODE = 'PO001', HINT = 'Pass the identity of the aggregate, for example its primary key as text.';
+    END IF;
+    IF octet_length(aggregate_id) > 512 THEN
+        RAISE EXCEPTION 'aggregate_id is % bytes long; the limit is 512', octet_length(aggregate_id)
+            USING ERRCODE = 'PO003', HINT = 'Use the aggregate''s key, not its content.';
+    END IF;
+    IF event_type IS NULL OR event_type = '' THEN
+        RAISE EXCEPTION 'event_type must not be NULL or empty'
+            USING ERRCODE = 'PO001', HINT = 'Pass the name of the event, for example ''OrderPlaced''.';
+    END IF;
+    IF length(event_type) > 255 THEN
+        RAISE EXCEPTION 'event_type is % characters long; the limit is 255', length(event_type)
+            USING ERRCODE = 'PO003', HINT = 'Use a short name for the event.';
+    END IF;
+    IF payload IS NULL THEN
+        RAISE EXCEPTION 'payload must not be NULL'
+            USING ERRCODE = 'PO001', HINT = 'Pass a JSON value; use ''{}''::jsonb for an event without data.';
+    END IF;
+    IF pg_column_size(payload) > limit_bytes THEN
+        RAISE EXCEPTION 'payload is % bytes; pg_outbox.max_payload_bytes allows %', pg_column_size(payload), limit_bytes
+            USING ERRCODE = 'PO004', HINT = 'Store large data elsewhere and put a reference in the event, or raise pg_outbox.max_payload_bytes (and the broker''s message.max.bytes).';
+    END IF;
+    IF schema_version IS NULL OR schema_version < 1 THEN
+        RAISE EXCEPTION 'schema_version must be 1 or more, not %', coalesce(schema_version::text, 'NULL')
+            USING ERRCODE = 'PO007', HINT = 'Number the payload''s schema versions from 1.';
+    END IF;
+    IF topic IS NOT NULL AND (topic !~ '^[A-Za-z0-9._-]{1,249}$' OR topic IN ('.', '..')) THEN
+        RAISE EXCEPTION 'topic % is not a name Kafka accepts', quote_literal(topic)
+            USING ERRCODE = 'PO005', HINT = 'Use 1 to 249 characters of a-z, A-Z, 0-9, ".", "_" and "-", or NULL for the routed topic.';
+    END IF;
+    IF headers IS NOT NULL THEN
+        IF jsonb_typeof(headers) <> 'object' THEN
+            RAISE EXCEPTION 'headers must be a JSON object, not %', jsonb_typeof(headers)
+                USING ERRCODE = 'PO006', HINT = 'Pass headers as {"name": "value", ...} with string values.';
+        END IF;
+        SELECT h.key INTO bad_header FROM jsonb_each(headers) h
+         WHERE jsonb_typeof(h.value) <> 'string' OR h.key = '' OR length(h.key) > 255
+            OR h.key IN ('event_id', 'event_type', 'aggregate_type', 'aggregate_seq', 'schema_version', 'occurred_at')
+         LIMIT 1;
+        IF FOUND THEN
+            RAISE EXCEPTION 'header % is not allowed: names are 1 to 255 characters, values are strings, and the forwarder''s own names are reserved', quote_literal(bad_header)
+                USING ERRCODE = 'PO006', HINT = 'Reserved: event_id, event_type, aggregate_type, aggregate_seq, schema_version, occurred_at.';
+        END IF;
+    END IF;
+END
+$$;
+
+-- Every rule of an emit_event call: the first one broken, as the error the
+-- C function then raises (SQLSTATE, message, detail, hint), or NULLs. The C
+-- function calls it only when its own quick check is not sure.
+-- Every rule of an emit_event call: the first one broken, as the error the
+-- C function then raises (SQLSTATE, message, detail, hint), or NULLs. The C
+-- function calls it only when its own quick check is not sure.
+CREATE FUNCTION outbox.check_emit(
+    aggregate_type text, aggregate_id text, event_type text, payload jsonb, headers jsonb,
+    schema_version integer, expected_seq bigint, idempotency_key text, topic text,
+    OUT refused_sqlstate text, OUT refused_message text, OUT refused_detail text, OUT refused_hint text
+)
+LANGUAGE plpgsql STABLE PARALLEL SAFE
+AS $$
+BEGIN
+    PERFORM outbox.check_event(aggregate_type, aggregate_id, event_type, payload, headers, schema_version, topic);
+    IF expected_seq IS NOT NULL AND expected_seq < 0 THEN
+        RAISE EXCEPTION 'expected_seq must be 0 or more, not %', expected_seq
+            USING ERRCODE = 'PO007', HINT = 'Pass the sequence you last read (0 for a new aggregate), or NULL.';
+    END IF;
+    IF idempotency_key = '' OR length(idempotency_key) > 255 THEN
+        RAISE EXCEPTION 'idempotency_key must be 1 to 255 characters'
+            USING ERRCODE = 'PO003', HINT = 'Use the request''s id, or NULL for no idempotency.';
+    END IF;
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS refused_sqlstate = RETURNED_SQLSTATE, refused_message = MESSAGE_TEXT,
+                            refused_detail = PG_EXCEPTION_DETAIL, refused_hint = PG_EXCEPTION_HINT;
+END
+$$;
+
+------------------------------------------------------------------------------
+-- Emitting events
+
+--@c-function uuid_v7
+-- outbox.uuid_v7() RETURNS uuid, a version 7 UUID: declared by pgrx from
+-- src/lib.rs before this file runs.
+--@end
+
+-- The sequence primitive: a transaction-scoped advisory lock on the
+-- aggregate, then its newest sequence read with the latest snapshot.
+--@c-function lock_aggregate
+CREATE FUNCTION outbox.lock_aggregate(aggregate_type text, aggregate_id text) RETURNS bigint
+LANGUAGE c STRICT VOLATILE PARALLEL UNSAFE
+AS 'MODULE_PATHNAME', 'lock_aggregate';
+--@end
+COMMENT ON FUNCTION outbox.lock_aggregate(text, text) IS
+    'Internal: locks the aggregate until the end of the transaction and returns its newest sequence.';
+
+-- The C function pins search_path in its own code, around the only
+-- statements it runs; its common call resolves no name, and a SET clause
+-- would cost a configuration change on every call.
+--@c-function emit_event
+CREATE FUNCTION outbox.emit_event(
+    aggregate_type  text,
+    aggregate_id    text,
+    event_type      text,
+    payload         jsonb,
+    headers         jsonb   DEFAULT NULL,
+    schema_version  integer DEFAULT 1,
+    expected_seq    bigint  DEFAULT NULL,
+    idempotency_key text    DEFAULT NULL,
+    topic           text    DEFAULT NULL,
+    OUT event_id      uuid,
+    OUT aggregate_seq bigint,
+    OUT replayed      boolean
+)
+LANGUAGE c VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+AS 'MODULE_PATHNAME', 'emit_event';
+--@end
+COMMENT ON FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text) IS
+    'Stores an event in the caller''s transaction with its aggregate''s next sequence number; replays the first event for a repeated idempotency key.';
+
+CREATE FUNCTION outbox.emit_events(events jsonb)
+RETURNS TABLE (ordinal integer, event_id uuid, aggregate_seq bigint)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+    e record;
+    agg record;
+    agg_types text[] := '{}';
+    agg_ids text[] := '{}';
+    bases bigint[] := '{}';
+BEGIN
+    IF events IS NULL OR jsonb_typeof(events) <> 'array' THEN
+        RAISE EXCEPTION 'events must be a JSON array of event objects'
+            USING ERRCODE = 'PO008', HINT = 'Pass [{"aggregate_type": ..., "aggregate_id": ..., "event_type": ..., "payload": ...}, ...].';
+    END IF;
+    n := jsonb_array_length(events);
+    IF n = 0 OR n > 10000 THEN
+        RAISE EXCEPTION 'a batch holds 1 to 10000 events, not %', n
+            USING ERRCODE = 'PO008', HINT = 'Split larger batches.';
+    END IF;
+    FOR e IN SELECT x.value AS v, x.ordinality AS i FROM jsonb_array_elements(events) WITH ORDINALITY x LOOP
+        IF jsonb_typeof(e.v) <> 'object' OR NOT (e.v ? 'payload')
+           OR (e.v ? 'schema_version' AND jsonb_typeof(e.v->'schema_version') <> 'number')
+           OR EXISTS (SELECT 1 FROM unnest(ARRAY['aggregate_type', 'aggregate_id', 'event_type', 'topic']) f
+                       WHERE e.v ? f AND jsonb_typeof(e.v->f) NOT IN ('string', 'null')) THEN
+            RAISE EXCEPTION 'batch element % is not an event object with a payload and text fields', e.i
+                USING ERRCODE = 'PO008', HINT = 'Each element needs aggregate_type, aggregate_id, event_type (strings) and payload; schema_version is a number.';
+        END IF;
+        PERFORM outbox.check_event(e.v->>'aggregate_type', e.v->>'aggregate_id', e.v->>'event_type',
+                                   CASE WHEN jsonb_typeof(e.v->'payload') = 'null' THEN NULL ELSE e.v->'payload' END,
+                                   nullif(e.v->'headers', 'null'::jsonb),
+                                   coalesce((e.v->>'schema_version')::integer, 1), e.v->>'topic');
+    END LOOP;
+
+    -- Lock the aggregates in one sorted pass: concurrent batches take the
+    -- locks in the same order and cannot deadlock.
+    FOR agg IN
+        SELECT x.t, x.i
+          FROM (SELECT value->>'aggregate_type' AS t, value->>'aggregate_id' AS i
+                  FROM jsonb_array_elements(events)) x
+         GROUP BY x.t, x.i ORDER BY x.t COLLATE "C", x.i COLLATE "C"
+    LOOP
+        agg_types := agg_types || agg.t;
+        agg_ids := agg_ids || agg.i;
+        bases := bases || outbox.lock_aggregate(agg.t, agg.i);
+    END LOOP;
+
+    RETURN QUERY
+    WITH src AS MATERIALIZED (
+        SELECT x.ordinality::integer AS ord, outbox.uuid_v7() AS id, x.value AS v,
+               b.base + row_number() OVER (PARTITION BY b.t, b.i ORDER BY x.ordinality) AS seq
+          FROM jsonb_array_elements(events) WITH ORDINALITY x
+          JOIN unnest(agg_types, agg_ids, bases) AS b(t, i, base)
+            ON b.t = x.value->>'aggregate_type' AND b.i = x.value->>'aggregate_id'
+    ), ins AS (
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic)
+        SELECT s.id, s.v->>'aggregate_type', s.v->>'aggregate_id', s.seq, s.v->>'event_type',
+               coalesce((s.v->>'schema_version')::integer, 1), s.v->'payload',
+               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic'
+          FROM src s ORDER BY s.ord
+        RETURNING 1
+    )
+    SELECT s.ord, s.id, s.seq FROM src s ORDER BY s.ord;
+END
+$$;
+COMMENT ON FUNCTION outbox.emit_events(jsonb) IS
+    'Emits a batch of events (a JSON array) with consecutive sequences per aggregate in the given order; locks aggregates in sorted order.';
+
+CREATE FUNCTION outbox.current_seq(aggregate_type text, aggregate_id text) RETURNS bigint
+LANGUAGE plpgsql STABLE PARALLEL SAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF aggregate_type IS NULL OR aggregate_type = '' OR aggregate_id IS NULL OR aggregate_id = '' THEN
+        RAISE EXCEPTION 'aggregate_type and aggregate_id must not be NULL or empty'
+            USING ERRCODE = 'PO001', HINT = 'Pass the aggregate''s type and id as given to emit_event.';
+    END IF;
+    RETURN coalesce(
+        (SELECT e.aggregate_seq FROM outbox.events e
+          WHERE e.aggregate_type = current_seq.aggregate_type AND e.aggregate_id = current_seq.aggregate_id
+          ORDER BY e.aggregate_seq DESC LIMIT 1),
+        (SELECT f.last_seq FROM outbox.sequence_floors f
+          WHERE f.aggregate_type = current_seq.aggregate_type AND f.aggregate_id = current_seq.aggregate_id),
+        0);
+END
+$$;
+COMMENT ON FUNCTION outbox.current_seq(text, text) IS
+    'The aggregate''s last committed sequence number (0 when it has none): the expected_seq for its next event.';
+
+------------------------------------------------------------------------------
+-- The forwarder's functions
+
+CREATE FUNCTION outbox.ensure_publication(name text) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
+        RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
+            USING ERRCODE = 'PO002', HINT = 'Use 1 to 63 characters of a-z, 0-9 and _.';
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = name) THEN
+        EXECUTE format('CREATE PUBLICATION %I FOR TABLE outbox.events WITH (publish = %L)', name, 'insert');
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.ensure_publication(text) IS
+    'Creates the insert-only publication on outbox.events that the forwarder streams, if missing.';
+
+CREATE FUNCTION outbox.drop_publication(name text) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
+        RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
+            USING ERRCODE = 'PO002', HINT = 'Use 1 to 63 characters of a-z, 0-9 and _.';
+    END IF;
+    IF EXISTS (SELECT 1 FROM pg_catalog.pg_publication p
+                JOIN pg_catalog.pg_publication_rel r ON r.prpubid = p.oid
+               WHERE p.pubname = name AND r.prrelid = 'outbox.events'::regclass) THEN
+        EXECUTE format('DROP PUBLICATION %I', name);
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.drop_publication(text) IS
+    'Drops a publication on outbox.events (and no other), for outbox-forwarder publication drop.';
+
+-- Each progress report promotes the previous mark (a snapshot and the WAL
+-- insert position taken after it) to "safe" once the confirmed position has
+-- passed that WAL position: every transaction visible in a safe snapshot
+-- committed before it and has been delivered.
+CREATE FUNCTION outbox.record_relay_progress(slot_name name, confirmed_lsn pg_lsn, caught_up boolean DEFAULT false)
+RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    INSERT INTO outbox.relay_progress AS p (slot_name, caught_up_at, caught_up_lsn, confirmed_lsn, mark_snapshot, mark_lsn)
+    VALUES ($1, CASE WHEN $3 THEN now() END, CASE WHEN $3 THEN $2 END, $2,
+            pg_current_snapshot(), pg_current_wal_insert_lsn())
+    ON CONFLICT ON CONSTRAINT relay_progress_pkey DO UPDATE
+       SET confirmed_lsn = GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn),
+           caught_up_at  = COALESCE(EXCLUDED.caught_up_at, p.caught_up_at),
+           caught_up_lsn = COALESCE(EXCLUDED.caught_up_lsn, p.caught_up_lsn),
+           -- The old mark is safe once the confirmed position passed it.
+           safe_snapshot = CASE WHEN p.mark_lsn <= GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn)
+                                THEN p.mark_snapshot ELSE p.safe_snapshot END,
+           safe_at       = CASE WHEN p.mark_lsn <= GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn)
+                                THEN now() ELSE p.safe_at END,
+           mark_snapshot = CASE WHEN p.mark_lsn IS NULL OR p.mark_lsn <= GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn)
+                                THEN EXCLUDED.mark_snapshot ELSE p.mark_snapshot END,
+           mark_lsn      = CASE WHEN p.mark_lsn IS NULL OR p.mark_lsn <= GREATEST(p.confirmed_lsn, EXCLUDED.confirmed_lsn)
+                                THEN EXCLUDED.mark_lsn ELSE p.mark_lsn END,
+           updated_at    = now();
+END
+$$;
+COMMENT ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) IS
+    'Called by outbox-forwarder: records a confirmed position for a slot, and that its first-start catch-up is done.';
+
+CREATE FUNCTION outbox.forget_relay(slot_name name) RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    DELETE FROM outbox.relay_progress WHERE relay_progress.slot_name = $1;
+$$;
+COMMENT ON FUNCTION outbox.forget_relay(name) IS
+    'Called by outbox-forwarder when it drops or recreates a slot: its catch-up must run again.';
+
+CREATE FUNCTION outbox.status()
+RETURNS TABLE (
+    slot_name              name,
+    active                 boolean,
+    caught_up              boolean,
+    confirmed_lsn          pg_lsn,
+    lag_bytes              bigint,
+    retained_wal_bytes     bigint,
+    wal_status             text,
+    unforwarded_events     bigint,
+    oldest_unforwarded_age interval,
+    progress_age           interval,
+    estimated_events       bigint
+)
+LANGUAGE sql STABLE PARALLEL SAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.slot_name, s.active, p.caught_up_at IS NOT NULL, s.confirmed_flush_lsn,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+           s.wal_status,
+           u.n, now() - u.oldest,
+           now() - p.updated_at,
+           (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c WHERE c.oid = 'outbox.events'::regclass)
+      FROM pg_replication_slots s
+      LEFT JOIN outbox.relay_progress p ON p.slot_name = s.slot_name
+      LEFT JOIN LATERAL (
+          -- Events not in the slot's safe snapshot: committed later, or not
+          -- yet known to be confirmed (an upper bound, about a second behind).
+          SELECT count(*) AS n, min(e.occurred_at) AS oldest
+            FROM outbox.events e
+           WHERE p.safe_snapshot IS NOT NULL
+             AND e.txid >= pg_snapshot_xmin(p.safe_snapshot)
+             AND NOT pg_visible_in_snapshot(e.txid, p.safe_snapshot)
+      ) u ON true
+     WHERE s.database = current_database() AND s.plugin = 'pgoutput';
+$$;
+COMMENT ON FUNCTION outbox.status() IS
+    'Per forwarder slot: active, caught up, lag and retained WAL in bytes, events not yet forwarded and the age of the oldest.';
+
+------------------------------------------------------------------------------
+-- Inbox
+
+CREATE FUNCTION outbox.register_consumer(consumer text, owner regrole) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF consumer IS NULL OR consumer = '' OR length(consumer) > 255 THEN
+        RAISE EXCEPTION 'consumer name must be 1 to 255 characters'
+            USING ERRCODE = 'PO002', HINT = 'Name the consumer after its service, for example ''billing''.';
+    END IF;
+    IF owner IS NULL THEN
+        RAISE EXCEPTION 'owner must not be NULL'
+            USING ERRCODE = 'PO001', HINT = 'Pass the role whose members run this consumer.';
+    END IF;
+    INSERT INTO outbox.inbox_consumers (consumer, owner)
+    VALUES (register_consumer.consumer, register_consumer.owner::name)
+    ON CONFLICT ON CONSTRAINT inbox_consumers_pkey DO UPDATE SET owner = EXCLUDED.owner;
+END
+$$;
+COMMENT ON FUNCTION outbox.register_consumer(text, regrole) IS
+    'Registers an inbox consumer; only members of owner may record events under its name.';
+
+CREATE FUNCTION outbox.inbox_receive(
+    consumer       text,
+    event_id       uuid,
+    aggregate_type text   DEFAULT NULL,
+    aggregate_id   text   DEFAULT NULL,
+    aggregate_seq  bigint DEFAULT NULL,
+    OUT status       text,
+    OUT expected_seq bigint
+)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    owner_role name;
+    previous bigint;
+BEGIN
+    IF inbox_receive.consumer IS NULL OR inbox_receive.event_id IS NULL THEN
+        RAISE EXCEPTION 'consumer and event_id must not be NULL'
+            USING ERRCODE = 'PO001', HINT = 'Pass the consumer''s registered name and the event_id header of the record.';
+    END IF;
+    SELECT c.owner INTO owner_role FROM outbox.inbox_consumers c WHERE c.consumer = inbox_receive.consumer;
+    IF NOT FOUND OR NOT pg_has_role(session_user, owner_role, 'MEMBER') THEN
+        RAISE EXCEPTION 'consumer % is not registered for role %', quote_literal(inbox_receive.consumer), session_user
+            USING ERRCODE = 'PO011', HINT = 'An administrator runs outbox.register_consumer(consumer, owner_role) for a role this login belongs to.';
+    END IF;
+    IF inbox_receive.aggregate_seq IS NOT NULL
+       AND (inbox_receive.aggregate_type IS NULL OR inbox_receive.aggregate_id IS NULL) THEN
+        RAISE EXCEPTION 'aggregate_seq needs aggregate_type and aggregate_id'
+            USING ERRCODE = 'PO001', HINT = 'Pass the aggregate_type header and the record key with the sequence.';
+    END IF;
+
+    INSERT INTO outbox.inbox (consumer, event_id, aggregate_type, aggregate_id, aggregate_seq)
+    VALUES (inbox_receive.consumer, inbox_receive.event_id, inbox_receive.aggregate_type,
+            inbox_receive.aggregate_id, inbox_receive.aggregate_seq)
+    ON CONFLICT ON CONSTRAINT inbox_pkey DO NOTHING;
+    IF NOT FOUND THEN
+        inbox_receive.status := 'duplicate';
+        RETURN;
+    END IF;
+    IF inbox_receive.aggregate_seq IS NULL THEN
+        inbox_receive.status := 'new';
+        RETURN;
+    END IF;
+
+    SELECT p.last_seq INTO previous FROM outbox.inbox_positions p
+     WHERE p.consumer = inbox_receive.consumer AND p.aggregate_type = inbox_receive.aggregate_type
+       AND p.aggregate_id = inbox_receive.aggregate_id
+       FOR UPDATE;
+    previous := coalesce(previous, 0);
+    IF inbox_receive.aggregate_seq <= previous THEN
+        inbox_receive.status := 'duplicate';
+        RETURN;
+    END IF;
+    INSERT INTO outbox.inbox_positions AS p (consumer, aggregate_type, aggregate_id, last_seq)
+    VALUES (inbox_receive.consumer, inbox_receive.aggregate_type, inbox_receive.aggregate_id, inbox_receive.aggregate_seq)
+    ON CONFLICT ON CONSTRAINT inbox_positions_pkey DO UPDATE SET last_seq = EXCLUDED.last_seq;
+    IF inbox_receive.aggregate_seq = previous + 1 THEN
+        inbox_receive.status := 'new';
+    ELSE
+        inbox_receive.status := 'gap';
+        inbox_receive.expected_seq := previous + 1;
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) IS
+    'Call in the consumer''s transaction: new, duplicate, or gap (with the first missing sequence in expected_seq).';
+
+------------------------------------------------------------------------------
+-- Retention keeps each aggregate's newest event, whose number the next emit
+-- continues from.
+
+CREATE FUNCTION outbox.prune(older_than interval DEFAULT '7 days', max_rows integer DEFAULT 10000)
+RETURNS bigint
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    deleted bigint;
+BEGIN
+    IF older_than IS NULL OR older_than < interval '0' OR max_rows IS NULL OR max_rows < 1 THEN
+        RAISE EXCEPTION 'older_than must be a positive interval and max_rows at least 1'
+            USING ERRCODE = 'PO007', HINT = 'For example outbox.prune(''7 days'', 10000); call it again while it returns max_rows.';
+    END IF;
+    -- Only what every forwarder has confirmed: without a forwarder, or while
+    -- one has not finished its catch-up, nothing is safe.
+    IF NOT EXISTS (SELECT 1 FROM outbox.relay_progress)
+       OR EXISTS (SELECT 1 FROM outbox.relay_progress WHERE caught_up_at IS NULL OR safe_snapshot IS NULL) THEN
+        RETURN 0;
+    END IF;
+    DELETE FROM outbox.events e
+     WHERE e.ctid = ANY (ARRAY(
+        SELECT c.ctid FROM outbox.events c
+         WHERE c.occurred_at < now() - older_than
+           AND NOT EXISTS (SELECT 1 FROM outbox.relay_progress r
+                            WHERE NOT pg_visible_in_snapshot(c.txid, r.safe_snapshot))
+           -- The newest event of an aggregate carries its numbering.
+           AND EXISTS (SELECT 1 FROM outbox.events newer
+                        WHERE newer.aggregate_type = c.aggregate_type
+                          AND newer.aggregate_id = c.aggregate_id
+                          AND newer.aggregate_seq > c.aggregate_seq)
+         LIMIT max_rows));
+    GET DIAGNOSTICS deleted = ROW_COUNT;
+    DELETE FROM outbox.idempotency_keys k
+     WHERE k.ctid = ANY (ARRAY(
+        SELECT c.ctid FROM outbox.idempotency_keys c WHERE c.created_at < now() - older_than LIMIT max_rows));
+    RETURN deleted;
+END
+$$;
+COMMENT ON FUNCTION outbox.prune(interval, integer) IS
+    'Deletes up to max_rows events older than older_than that every forwarder has confirmed, keeping each aggregate''s newest; call from cron until it returns less than max_rows.';
+
+------------------------------------------------------------------------------
+-- Privileges: applications reach the tables only through these functions.
+
+REVOKE ALL ON FUNCTION outbox.check_event(text, text, text, jsonb, jsonb, integer, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.check_emit(text, text, text, jsonb, jsonb, integer, bigint, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.lock_aggregate(text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.emit_events(jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.current_seq(text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.ensure_publication(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.drop_publication(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.forget_relay(name) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.status() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.register_consumer(text, regrole) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.prune(interval, integer) FROM PUBLIC;
+
+GRANT EXECUTE ON FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text) TO outbox_writer;
+GRANT EXECUTE ON FUNCTION outbox.emit_events(jsonb) TO outbox_writer;
+GRANT EXECUTE ON FUNCTION outbox.current_seq(text, text) TO outbox_writer;
+GRANT EXECUTE ON FUNCTION outbox.ensure_publication(text) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.drop_publication(text) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.forget_relay(name) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.status() TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) TO outbox_consumer;

@@ -1,0 +1,141 @@
+-- pg_outbox SQL edition: the functions that the extension writes in C
+-- (Rust), written in PL/pgSQL and SQL for a server that cannot load our
+-- library. scripts/sql-edition puts each block below in the place of the
+-- `--@c-function NAME` block of the same name in pg_outbox.sql; the
+-- signature, defaults, volatility, strictness, parallel safety, SECURITY
+-- DEFINER, comment and privileges are the extension's, and a test compares
+-- the two catalogs.
+--
+-- What differs, and why:
+-- - emit_event reads the aggregate's newest sequence with an SQL statement,
+--   whose snapshot under REPEATABLE READ or SERIALIZABLE is the
+--   transaction's. Where the C function reads past that snapshot and
+--   numbers after events committed since, this one answers with a
+--   serialization failure (40001): retry the transaction.
+-- - emit_event pins search_path with a SET clause (PL/pgSQL resolves names
+--   as it runs); the C function pins it in its own code.
+-- - uuid_v7 takes its 74 random bits from gen_random_uuid() and has no
+--   sub-millisecond fraction: ids of one backend within one millisecond are
+--   unordered.
+
+--@function uuid_v7
+CREATE FUNCTION outbox.uuid_v7() RETURNS uuid
+LANGUAGE sql STRICT VOLATILE PARALLEL SAFE
+AS $$
+    -- 48 bits of Unix milliseconds, then the last 10 bytes of a version 4
+    -- UUID (its variant bits kept) with the version nibble turned from 4 to 7.
+    SELECT pg_catalog.encode(
+               pg_catalog.set_bit(pg_catalog.set_bit(
+                   pg_catalog.substr(pg_catalog.int8send(pg_catalog.floor(
+                       pg_catalog.date_part('epoch', pg_catalog.clock_timestamp()) * 1000)::bigint), 3)
+                   || pg_catalog.substr(pg_catalog.uuid_send(pg_catalog.gen_random_uuid()), 7),
+               52, 1), 53, 1),
+           'hex')::uuid
+$$;
+--@end
+
+--@function lock_aggregate
+CREATE FUNCTION outbox.lock_aggregate(aggregate_type text, aggregate_id text) RETURNS bigint
+LANGUAGE plpgsql STRICT VOLATILE PARALLEL UNSAFE
+AS $$
+BEGIN
+    -- The same lock the C function takes. In READ COMMITTED the statement
+    -- after it sees every event committed before the lock was granted.
+    PERFORM pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext(aggregate_type), pg_catalog.hashtext(aggregate_id));
+    RETURN coalesce(
+        (SELECT e.aggregate_seq FROM outbox.events e
+          WHERE e.aggregate_type = lock_aggregate.aggregate_type AND e.aggregate_id = lock_aggregate.aggregate_id
+          ORDER BY e.aggregate_seq DESC LIMIT 1),
+        (SELECT f.last_seq FROM outbox.sequence_floors f
+          WHERE f.aggregate_type = lock_aggregate.aggregate_type AND f.aggregate_id = lock_aggregate.aggregate_id),
+        0);
+END
+$$;
+--@end
+
+--@function emit_event
+CREATE FUNCTION outbox.emit_event(
+    aggregate_type  text,
+    aggregate_id    text,
+    event_type      text,
+    payload         jsonb,
+    headers         jsonb   DEFAULT NULL,
+    schema_version  integer DEFAULT 1,
+    expected_seq    bigint  DEFAULT NULL,
+    idempotency_key text    DEFAULT NULL,
+    topic           text    DEFAULT NULL,
+    OUT event_id      uuid,
+    OUT aggregate_seq bigint,
+    OUT replayed      boolean
+)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    latest bigint;
+    new_id uuid := outbox.uuid_v7();
+    refusal record;
+BEGIN
+    PERFORM outbox.check_event(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
+                               emit_event.payload, emit_event.headers, emit_event.schema_version, emit_event.topic);
+    IF emit_event.expected_seq < 0 OR emit_event.idempotency_key = '' OR length(emit_event.idempotency_key) > 255 THEN
+        -- check_emit words the refusal, as it does for the C function.
+        SELECT * INTO refusal
+          FROM outbox.check_emit(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
+                                 emit_event.payload, emit_event.headers, emit_event.schema_version,
+                                 emit_event.expected_seq, emit_event.idempotency_key, emit_event.topic);
+        RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
+                              HINT = refusal.refused_hint;
+    END IF;
+
+    latest := outbox.lock_aggregate(emit_event.aggregate_type, emit_event.aggregate_id);
+    IF emit_event.idempotency_key IS NOT NULL THEN
+        -- Claimed under the number this event would get; a claim that exists
+        -- already answers the call with its event. A concurrent call with the
+        -- same key waits here for the first one's transaction.
+        INSERT INTO outbox.idempotency_keys (aggregate_type, idempotency_key, event_id, aggregate_id, aggregate_seq)
+        VALUES (emit_event.aggregate_type, emit_event.idempotency_key, new_id, emit_event.aggregate_id, latest + 1)
+        ON CONFLICT (aggregate_type, idempotency_key) DO NOTHING;
+        IF NOT FOUND THEN
+            SELECT k.event_id, k.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq
+              FROM outbox.idempotency_keys k
+             WHERE k.aggregate_type = emit_event.aggregate_type AND k.idempotency_key = emit_event.idempotency_key;
+            emit_event.replayed := true;
+            RETURN;
+        END IF;
+    END IF;
+    IF emit_event.expected_seq IS NOT NULL AND emit_event.expected_seq <> latest THEN
+        RAISE EXCEPTION 'sequence conflict on % %: expected %, actual %',
+                emit_event.aggregate_type, quote_literal(emit_event.aggregate_id), emit_event.expected_seq, latest
+            USING ERRCODE = 'PO101',
+                  DETAIL = format('expected_seq=%s actual_seq=%s', emit_event.expected_seq, latest),
+                  HINT = 'Another writer changed the aggregate: reload it, decide again, and retry with the new sequence.';
+    END IF;
+
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic)
+        VALUES (new_id, emit_event.aggregate_type, emit_event.aggregate_id, latest + 1, emit_event.event_type,
+                emit_event.schema_version, emit_event.payload, emit_event.headers, emit_event.topic);
+    ELSE
+        -- The snapshot may predate an event of this aggregate that committed
+        -- since: its number is then taken, and the transaction must retry.
+        BEGIN
+            INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                       schema_version, payload, headers, topic)
+            VALUES (new_id, emit_event.aggregate_type, emit_event.aggregate_id, latest + 1, emit_event.event_type,
+                    emit_event.schema_version, emit_event.payload, emit_event.headers, emit_event.topic);
+        EXCEPTION WHEN unique_violation THEN
+            RAISE EXCEPTION 'could not serialize access: aggregate % % has events committed after this transaction''s snapshot',
+                    emit_event.aggregate_type, quote_literal(emit_event.aggregate_id)
+                USING ERRCODE = 'serialization_failure',
+                      HINT = 'Retry the transaction, or emit in READ COMMITTED (the C extension numbers after them).';
+        END;
+    END IF;
+    emit_event.event_id := new_id;
+    emit_event.aggregate_seq := latest + 1;
+    emit_event.replayed := false;
+END
+$$;
+--@end
