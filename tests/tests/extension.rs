@@ -971,6 +971,9 @@ async fn what_an_operator_adds_to_the_events_table_is_honoured() {
     client
         .batch_execute(
             "CREATE TABLE public.seen (seq bigint);
+             -- The trigger runs as whoever owns emit_event: the database
+             -- owner, in the SQL edition.
+             GRANT INSERT ON public.seen TO PUBLIC;
              CREATE FUNCTION public.note() RETURNS trigger LANGUAGE plpgsql
                  AS $$ BEGIN INSERT INTO public.seen VALUES (NEW.aggregate_seq); RETURN NEW; END $$;
              CREATE TRIGGER note AFTER INSERT ON outbox.events
