@@ -4,8 +4,12 @@
 #   (a) a plain outbox INSERT with no sequence (the baseline)
 #   (b) outbox.emit_event
 #   (c) outbox.emit_event with an idempotency key
-# at 8 clients on distinct aggregates; then (b) on one hot aggregate at 1 and
-# at 8 clients. Prints TPS and the ratios. The runs go in rounds, each round
+#   (b-) outbox.emit_event with pg_outbox.direct_insert off (the same build
+#        running the SQL INSERT): what the executor-free insert is worth
+#   (b') outbox.emit_event of the SQL edition (PL/pgSQL), in a database of
+#        its own installed from sql/pg_outbox_sql.sql
+# at 8 clients on distinct aggregates; then (b) and (b') on one hot
+# aggregate at 1 and at 8 clients. Prints TPS and the ratios. The runs go in rounds, each round
 # running every script once back to back, and the ratios are taken within a
 # round: this VM's speed drifts by +-20% over minutes, a round's neighbours
 # much less. Short runs and many rounds, with (a) first in odd rounds and
@@ -19,20 +23,25 @@ SECONDS_PER_RUN=${1:-5}
 ROUNDS=${2:-11}
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 DB=bench_emit
+SQL_DB=bench_emit_sql
 export PGPASSWORD=$PG_SUPERUSER_PASSWORD
 # The stack's server offers TLS; encryption would add the same cost to every
 # round trip of both sides and hide what the database does.
 export PGSSLMODE=disable
 psql_admin() { psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
 
-psql_admin -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" -c "CREATE DATABASE $DB" >/dev/null
-psql_admin -d $DB >/dev/null <<'SQL'
+orders='CREATE TABLE orders (id bigserial PRIMARY KEY, customer bigint NOT NULL, total numeric NOT NULL);'
+psql_admin -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" -c "CREATE DATABASE $DB" \
+    -c "DROP DATABASE IF EXISTS $SQL_DB WITH (FORCE)" -c "CREATE DATABASE $SQL_DB OWNER $OWNER_ROLE" >/dev/null
+psql_admin -d $DB >/dev/null <<SQL
 CREATE EXTENSION pg_outbox;
-CREATE TABLE orders (id bigserial PRIMARY KEY, customer bigint NOT NULL, total numeric NOT NULL);
+$orders
 CREATE TABLE plain_outbox (
     id bigserial PRIMARY KEY, aggregate_type text NOT NULL, aggregate_id text NOT NULL,
     event_type text NOT NULL, payload jsonb NOT NULL, created_at timestamptz NOT NULL DEFAULT now());
 SQL
+psql "${OWNER_PGURL%/*}/$SQL_DB" -q -f sql/pg_outbox_sql.sql
+psql_admin -d $SQL_DB -c "$orders" >/dev/null
 
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -67,36 +76,50 @@ SELECT outbox.emit_event('order', 'hot', 'OrderPlaced', '{"total": 10}');
 END;
 SQL
 
-run() { # script clients -> tps
+run() { # script clients [database] -> tps
     # No CHECKPOINT here: one right before a short run charges every first
     # touch of a random B-tree page with a full-page image, which in service
     # is spread over a whole checkpoint interval (minutes).
     pgbench -h 127.0.0.1 -p "$PG_PORT" -U postgres -n -M prepared -T "$SECONDS_PER_RUN" -c "$2" -j 2 \
-        -f "$dir/$1.sql" $DB 2>/dev/null | awk '/^tps/ {printf "%d", $3}'
+        -f "$dir/$1.sql" "${3:-$DB}" 2>/dev/null | awk '/^tps/ {printf "%d", $3}'
 }
+# The same emit_event with the executor-free insert turned off.
+run_sql_insert() { PGOPTIONS='-c pg_outbox.direct_insert=off' run "$@"; }
 
 say "pgbench, $SECONDS_PER_RUN s per run, $ROUNDS rounds"
 ratio() { echo "scale=2; $1 / $2" | bc; }
+ratio3() { echo "scale=3; $1 / $2" | bc; }
 median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
-declare -a plain emit emit_key hot1 hot8 r_emit r_key r_hot
-printf '%-6s %8s %8s %8s %8s %8s   %s\n' round plain emit emit+key hot@1 hot@8 "ratios (b)/(a) (c)/(a) hot8/hot1" >&2
+declare -a plain emit emit_key emit_sql_insert edition hot1 hot8 shot1 shot8
+declare -a r_emit r_key r_direct r_edition r_hot r_shot
+printf '%-6s %7s %7s %7s %7s %7s %7s %7s %7s %7s   %s\n' round plain emit emit+key "emit-" "emit'" \
+    hot@1 hot@8 "hot'@1" "hot'@8" "ratios (b)/(a) (c)/(a) (b)/(b-) (b')/(a) hot8/hot1 hot'8/hot'1" >&2
 for round in $(seq 1 "$ROUNDS"); do
     if (( round % 2 )); then
-        p=$(run plain 8); e=$(run emit 8); k=$(run emit_key 8)
+        p=$(run plain 8); e=$(run emit 8); n=$(run_sql_insert emit 8); s=$(run emit 8 $SQL_DB); k=$(run emit_key 8)
     else
-        k=$(run emit_key 8); e=$(run emit 8); p=$(run plain 8)
+        k=$(run emit_key 8); s=$(run emit 8 $SQL_DB); n=$(run_sql_insert emit 8); e=$(run emit 8); p=$(run plain 8)
     fi
-    h1=$(run hot 1); h8=$(run hot 8)
-    plain+=("$p"); emit+=("$e"); emit_key+=("$k"); hot1+=("$h1"); hot8+=("$h8")
-    r_emit+=("$(ratio "$e" "$p")"); r_key+=("$(ratio "$k" "$p")"); r_hot+=("$(ratio "$h8" "$h1")")
-    printf '%-6s %8s %8s %8s %8s %8s   %s %s %s\n' "$round" "$p" "$e" "$k" "$h1" "$h8" \
-        "${r_emit[-1]}" "${r_key[-1]}" "${r_hot[-1]}" >&2
+    h1=$(run hot 1); h8=$(run hot 8); s1=$(run hot 1 $SQL_DB); s8=$(run hot 8 $SQL_DB)
+    plain+=("$p"); emit+=("$e"); emit_key+=("$k"); emit_sql_insert+=("$n"); edition+=("$s")
+    hot1+=("$h1"); hot8+=("$h8"); shot1+=("$s1"); shot8+=("$s8")
+    r_emit+=("$(ratio "$e" "$p")"); r_key+=("$(ratio "$k" "$p")"); r_direct+=("$(ratio3 "$e" "$n")")
+    r_edition+=("$(ratio "$s" "$p")"); r_hot+=("$(ratio "$h8" "$h1")"); r_shot+=("$(ratio "$s8" "$s1")")
+    printf '%-6s %7s %7s %7s %7s %7s %7s %7s %7s %7s   %s %s %s %s %s %s\n' "$round" "$p" "$e" "$k" "$n" "$s" \
+        "$h1" "$h8" "$s1" "$s8" "${r_emit[-1]}" "${r_key[-1]}" "${r_direct[-1]}" "${r_edition[-1]}" \
+        "${r_hot[-1]}" "${r_shot[-1]}" >&2
 done
-psql_admin -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null
+psql_admin -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" \
+    -c "DROP DATABASE IF EXISTS $SQL_DB WITH (FORCE)" >/dev/null
 
-printf '\n%-52s %8s %8s %s\n' "transaction: business INSERT plus (median of $ROUNDS)" "tps" "ratio" "target"
-printf '%-52s %8s %8s\n' "(a) plain outbox INSERT, no sequence, 8 clients" "$(median "${plain[@]}")" "1.00"
-printf '%-52s %8s %8s %s\n' "(b) emit_event, 8 clients" "$(median "${emit[@]}")" "$(median "${r_emit[@]}")" ">= 0.85 of (a)"
-printf '%-52s %8s %8s\n' "(c) emit_event with idempotency key, 8 clients" "$(median "${emit_key[@]}")" "$(median "${r_key[@]}")"
-printf '%-52s %8s %8s\n' "hot aggregate, emit_event, 1 client" "$(median "${hot1[@]}")" "1.00"
-printf '%-52s %8s %8s %s\n' "hot aggregate, emit_event, 8 clients" "$(median "${hot8[@]}")" "$(median "${r_hot[@]}")" ">= 0.9 of 1 client"
+printf '\n%-60s %8s %8s %s\n' "transaction: business INSERT plus (median of $ROUNDS)" "tps" "ratio" "target"
+printf '%-60s %8s %8s\n' "(a) plain outbox INSERT, no sequence, 8 clients" "$(median "${plain[@]}")" "1.00"
+printf '%-60s %8s %8s %s\n' "(b) emit_event, 8 clients" "$(median "${emit[@]}")" "$(median "${r_emit[@]}")" ">= 0.85 of (a)"
+printf '%-60s %8s %8s\n' "(c) emit_event with idempotency key, 8 clients" "$(median "${emit_key[@]}")" "$(median "${r_key[@]}")"
+printf '%-60s %8s %8s %s\n' "(b-) emit_event without the executor-free insert, 8 clients" "$(median "${emit_sql_insert[@]}")" \
+    "$(median "${r_direct[@]}")" "(b)/(b-): keep it if >= 1.03"
+printf '%-60s %8s %8s %s\n' "(b') SQL edition emit_event, 8 clients" "$(median "${edition[@]}")" "$(median "${r_edition[@]}")" ">= 0.75 of (a)"
+printf '%-60s %8s %8s\n' "hot aggregate, emit_event, 1 client" "$(median "${hot1[@]}")" "1.00"
+printf '%-60s %8s %8s %s\n' "hot aggregate, emit_event, 8 clients" "$(median "${hot8[@]}")" "$(median "${r_hot[@]}")" ">= 0.9 of 1 client"
+printf '%-60s %8s %8s\n' "hot aggregate, SQL edition, 1 client" "$(median "${shot1[@]}")" "1.00"
+printf '%-60s %8s %8s %s\n' "hot aggregate, SQL edition, 8 clients" "$(median "${shot8[@]}")" "$(median "${r_shot[@]}")" ">= 0.9 of 1 client"

@@ -77,16 +77,26 @@ DECLARE
     new_id uuid := outbox.uuid_v7();
     refusal record;
 BEGIN
-    PERFORM outbox.check_event(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
-                               emit_event.payload, emit_event.headers, emit_event.schema_version, emit_event.topic);
-    IF emit_event.expected_seq < 0 OR emit_event.idempotency_key = '' OR length(emit_event.idempotency_key) > 255 THEN
-        -- check_emit words the refusal, as it does for the C function.
+    -- The common call passes this one expression; anything doubtful (or
+    -- NULL) goes to check_emit, which names the first broken rule with its
+    -- SQLSTATE and hint, as it does for the C function.
+    IF (emit_event.aggregate_type ~ '^[A-Za-z0-9._-]{1,128}$'
+        AND octet_length(emit_event.aggregate_id) BETWEEN 1 AND 512
+        AND length(emit_event.event_type) BETWEEN 1 AND 255
+        AND pg_column_size(emit_event.payload)
+            <= coalesce(nullif(current_setting('pg_outbox.max_payload_bytes', true), '')::bigint, 1000000)
+        AND emit_event.headers IS NULL AND emit_event.topic IS NULL
+        AND emit_event.schema_version >= 1
+        AND coalesce(emit_event.expected_seq, 0) >= 0
+        AND coalesce(length(emit_event.idempotency_key), 1) BETWEEN 1 AND 255) IS NOT TRUE THEN
         SELECT * INTO refusal
           FROM outbox.check_emit(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
                                  emit_event.payload, emit_event.headers, emit_event.schema_version,
                                  emit_event.expected_seq, emit_event.idempotency_key, emit_event.topic);
-        RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
-                              HINT = refusal.refused_hint;
+        IF refusal.refused_sqlstate IS NOT NULL THEN
+            RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
+                                  HINT = refusal.refused_hint;
+        END IF;
     END IF;
 
     latest := outbox.lock_aggregate(emit_event.aggregate_type, emit_event.aggregate_id);

@@ -29,7 +29,7 @@ use std::ffi::CStr;
 use pgrx::pg_sys::{self, Datum, Oid};
 use pgrx::varlena::{varatt_is_1b_e, varatt_is_4b_c, vardata_any, varsize_any, varsize_any_exhdr};
 
-use crate::{BackendCell, MAX_PAYLOAD_BYTES};
+use crate::{BackendCell, DIRECT_INSERT, MAX_PAYLOAD_BYTES};
 
 /// Plans kept for the life of the backend; PostgreSQL revalidates them
 /// when the tables change.
@@ -477,7 +477,7 @@ unsafe fn emit(fcinfo: pg_sys::FunctionCallInfo) -> Result<Datum, Refusal> {
         headers,
         topic,
     ];
-    if !insert_direct(&row) {
+    if !(DIRECT_INSERT.get() && insert_direct(&row)) {
         spi.connect();
         execute(plans().insert, &row);
     }

@@ -19,6 +19,11 @@ mod emit;
 /// `pg_outbox.max_payload_bytes`: the largest payload emit_event accepts.
 pub(crate) static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
 
+/// `pg_outbox.direct_insert`: whether emit_event inserts the event row
+/// without the executor (see `emit::insert_direct`). For measuring what it
+/// is worth (bench/emit.sh); there is no reason to turn it off otherwise.
+pub(crate) static DIRECT_INSERT: GucSetting<bool> = GucSetting::<bool>::new(true);
+
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     GucRegistry::define_int_guc(
@@ -28,6 +33,14 @@ pub extern "C-unwind" fn _PG_init() {
         &MAX_PAYLOAD_BYTES,
         1,
         i32::MAX,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"pg_outbox.direct_insert",
+        c"Whether emit_event inserts the event row without starting the executor.",
+        c"On by default; off runs the SQL INSERT on every call. For benchmarks.",
+        &DIRECT_INSERT,
         GucContext::Userset,
         GucFlags::default(),
     );
