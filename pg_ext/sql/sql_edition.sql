@@ -74,21 +74,41 @@ AS $$
 #variable_conflict use_column
 DECLARE
     latest bigint;
-    new_id uuid := outbox.uuid_v7();
     refusal record;
 BEGIN
-    -- The common call passes this one expression; anything doubtful (or
-    -- NULL) goes to check_emit, which names the first broken rule with its
-    -- SQLSTATE and hint, as it does for the C function.
-    IF (emit_event.aggregate_type ~ '^[A-Za-z0-9._-]{1,128}$'
+    emit_event.replayed := false;
+    IF (emit_event.idempotency_key IS NULL AND current_setting('transaction_isolation') = 'read committed'
+        AND emit_event.aggregate_type ~ '^[A-Za-z0-9._-]{1,128}$'
         AND octet_length(emit_event.aggregate_id) BETWEEN 1 AND 512
         AND length(emit_event.event_type) BETWEEN 1 AND 255
         AND pg_column_size(emit_event.payload)
             <= coalesce(nullif(current_setting('pg_outbox.max_payload_bytes', true), '')::bigint, 1000000)
         AND emit_event.headers IS NULL AND emit_event.topic IS NULL
-        AND emit_event.schema_version >= 1
-        AND coalesce(emit_event.expected_seq, 0) >= 0
-        AND coalesce(length(emit_event.idempotency_key), 1) BETWEEN 1 AND 255) IS NOT TRUE THEN
+        AND emit_event.schema_version >= 1 AND coalesce(emit_event.expected_seq, 0) >= 0) IS TRUE THEN
+        -- The common call, plainly valid, in two statements: each SQL
+        -- statement starts an executor, which costs more than the rest of
+        -- the function. The lock first: the INSERT starts once it is
+        -- granted, so its snapshot holds every event of the aggregate
+        -- committed before, and it reads the newest sequence itself.
+        PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic)
+        VALUES (outbox.uuid_v7(), emit_event.aggregate_type, emit_event.aggregate_id,
+                coalesce((SELECT e.aggregate_seq FROM outbox.events e
+                           WHERE e.aggregate_type = emit_event.aggregate_type AND e.aggregate_id = emit_event.aggregate_id
+                           ORDER BY e.aggregate_seq DESC LIMIT 1),
+                         (SELECT f.last_seq FROM outbox.sequence_floors f
+                           WHERE f.aggregate_type = emit_event.aggregate_type AND f.aggregate_id = emit_event.aggregate_id),
+                         0) + 1,
+                emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers, emit_event.topic)
+        RETURNING events.event_id, events.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq;
+        IF emit_event.expected_seq IS NULL THEN
+            RETURN;
+        END IF;
+        latest := emit_event.aggregate_seq - 1;
+    END IF;
+
+    IF latest IS NULL THEN
         SELECT * INTO refusal
           FROM outbox.check_emit(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
                                  emit_event.payload, emit_event.headers, emit_event.schema_version,
@@ -97,24 +117,49 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
                                   HINT = refusal.refused_hint;
         END IF;
+
+        -- Valid, with an idempotency key, a snapshot older than the
+        -- statement (REPEATABLE READ, SERIALIZABLE), headers or a topic:
+        -- anything the common call above does not take.
+        latest := outbox.lock_aggregate(emit_event.aggregate_type, emit_event.aggregate_id);
+        emit_event.event_id := outbox.uuid_v7();
+        emit_event.aggregate_seq := latest + 1;
+        IF emit_event.idempotency_key IS NOT NULL THEN
+            -- Claimed under the number this event would get; a claim that
+            -- exists already answers the call with its event. A concurrent
+            -- call with the same key waits here for the first one's
+            -- transaction.
+            INSERT INTO outbox.idempotency_keys (aggregate_type, idempotency_key, event_id, aggregate_id, aggregate_seq)
+            VALUES (emit_event.aggregate_type, emit_event.idempotency_key, emit_event.event_id,
+                    emit_event.aggregate_id, emit_event.aggregate_seq)
+            ON CONFLICT (aggregate_type, idempotency_key) DO NOTHING;
+            IF NOT FOUND THEN
+                SELECT k.event_id, k.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq
+                  FROM outbox.idempotency_keys k
+                 WHERE k.aggregate_type = emit_event.aggregate_type AND k.idempotency_key = emit_event.idempotency_key;
+                emit_event.replayed := true;
+                RETURN;
+            END IF;
+        END IF;
+        BEGIN
+            INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                       schema_version, payload, headers, topic)
+            VALUES (emit_event.event_id, emit_event.aggregate_type, emit_event.aggregate_id, emit_event.aggregate_seq,
+                    emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers,
+                    emit_event.topic);
+        EXCEPTION WHEN unique_violation THEN
+            -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate
+            -- an event of this aggregate that committed since: its number is
+            -- taken, and the transaction must retry. (Under READ COMMITTED
+            -- the lock rules this out.)
+            RAISE EXCEPTION 'could not serialize access: aggregate % % has events committed after this transaction''s snapshot',
+                    emit_event.aggregate_type, quote_literal(emit_event.aggregate_id)
+                USING ERRCODE = 'serialization_failure',
+                      HINT = 'Retry the transaction, or emit in READ COMMITTED (the C extension numbers after them).';
+        END;
     END IF;
 
-    latest := outbox.lock_aggregate(emit_event.aggregate_type, emit_event.aggregate_id);
-    IF emit_event.idempotency_key IS NOT NULL THEN
-        -- Claimed under the number this event would get; a claim that exists
-        -- already answers the call with its event. A concurrent call with the
-        -- same key waits here for the first one's transaction.
-        INSERT INTO outbox.idempotency_keys (aggregate_type, idempotency_key, event_id, aggregate_id, aggregate_seq)
-        VALUES (emit_event.aggregate_type, emit_event.idempotency_key, new_id, emit_event.aggregate_id, latest + 1)
-        ON CONFLICT (aggregate_type, idempotency_key) DO NOTHING;
-        IF NOT FOUND THEN
-            SELECT k.event_id, k.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq
-              FROM outbox.idempotency_keys k
-             WHERE k.aggregate_type = emit_event.aggregate_type AND k.idempotency_key = emit_event.idempotency_key;
-            emit_event.replayed := true;
-            RETURN;
-        END IF;
-    END IF;
+    -- Checked after the insert, which the error takes back with it.
     IF emit_event.expected_seq IS NOT NULL AND emit_event.expected_seq <> latest THEN
         RAISE EXCEPTION 'sequence conflict on % %: expected %, actual %',
                 emit_event.aggregate_type, quote_literal(emit_event.aggregate_id), emit_event.expected_seq, latest
@@ -122,30 +167,6 @@ BEGIN
                   DETAIL = format('expected_seq=%s actual_seq=%s', emit_event.expected_seq, latest),
                   HINT = 'Another writer changed the aggregate: reload it, decide again, and retry with the new sequence.';
     END IF;
-
-    IF current_setting('transaction_isolation') = 'read committed' THEN
-        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                   schema_version, payload, headers, topic)
-        VALUES (new_id, emit_event.aggregate_type, emit_event.aggregate_id, latest + 1, emit_event.event_type,
-                emit_event.schema_version, emit_event.payload, emit_event.headers, emit_event.topic);
-    ELSE
-        -- The snapshot may predate an event of this aggregate that committed
-        -- since: its number is then taken, and the transaction must retry.
-        BEGIN
-            INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                       schema_version, payload, headers, topic)
-            VALUES (new_id, emit_event.aggregate_type, emit_event.aggregate_id, latest + 1, emit_event.event_type,
-                    emit_event.schema_version, emit_event.payload, emit_event.headers, emit_event.topic);
-        EXCEPTION WHEN unique_violation THEN
-            RAISE EXCEPTION 'could not serialize access: aggregate % % has events committed after this transaction''s snapshot',
-                    emit_event.aggregate_type, quote_literal(emit_event.aggregate_id)
-                USING ERRCODE = 'serialization_failure',
-                      HINT = 'Retry the transaction, or emit in READ COMMITTED (the C extension numbers after them).';
-        END;
-    END IF;
-    emit_event.event_id := new_id;
-    emit_event.aggregate_seq := latest + 1;
-    emit_event.replayed := false;
 END
 $$;
 --@end
