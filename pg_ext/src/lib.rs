@@ -9,6 +9,10 @@
 //! `scripts/released-sql.sh`. The SQL edition for managed PostgreSQL is
 //! assembled from `sql/pg_outbox.sql` too (`scripts/sql-edition`).
 
+// PostgreSQL's C API is unsafe to call; each unsafe block says why its use
+// is sound, and the resources it hands out are closed by guards (emit.rs).
+#![allow(unsafe_code)]
+
 use pgrx::guc::{GucContext, GucFlags, GucRegistry, GucSetting};
 use pgrx::prelude::*;
 
@@ -198,7 +202,7 @@ mod tests {
         ]);
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
+            .expect("the clock is past 1970")
             .as_millis() as u64;
         assert!(now - millis < 60_000, "the id carries the time it was made");
         let ids: std::collections::HashSet<[u8; 16]> =
