@@ -174,6 +174,11 @@ pub struct TestDb {
 
 impl TestDb {
     pub async fn create(test: &str) -> TestDb {
+        TestDb::create_with(test, Edition::from_env()).await
+    }
+
+    /// A database with the given edition, whatever `OUTBOX_EDITION` says.
+    pub async fn create_with(test: &str, edition: Edition) -> TestDb {
         let stack = Stack::from_env();
         let name = unique(&format!("t_{test}"));
         let admin = connect(&stack.admin_url).await;
@@ -187,7 +192,7 @@ impl TestDb {
             stack,
             name,
         };
-        match Edition::from_env() {
+        match edition {
             Edition::Extension => {
                 // OUTBOX_EXTENSION_FROM=0.1.0 installs that released version and
                 // upgrades it, so the suite runs on an upgraded extension.

@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    read_every_committed, write_transactions, Forwarder, Reader, TestDb, Verdict,
+    catalog, connect, read_every_committed, unique, with_database, write_transactions, Edition,
+    Forwarder, Reader, TestDb, Verdict,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -87,6 +88,93 @@ async fn a_catch_up_killed_half_way_is_redone_without_duplicates() {
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let v = read_all(&db, &mut reader, &topic).await;
     eprintln!("{v:?}");
+    assert_exactly_once(&v);
+    forwarder.kill9().await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forwarder() {
+    if Edition::skip_on_sql("it installs both editions itself") {
+        return;
+    }
+    let db = TestDb::create_with("move", Edition::Sql).await;
+    let topic = db.create_topic("ledger", 3).await;
+    let forwarder = Forwarder::spawn(&db, EOS);
+    db.wait_slot_active(WAIT).await;
+    let mut writer = db.admin().await;
+    write_transactions(&mut writer, "ledger", 4, 100).await;
+    let keyed = "SELECT event_id::text, aggregate_seq, replayed FROM outbox.emit_event('ledger', 'ledger-9', 'Keyed', '{}', idempotency_key => 'request-1')";
+    let first = writer.query_one(keyed, &[]).await.expect("keyed emit");
+    let moved_at: i64 = writer
+        .query_one("SELECT outbox.current_seq('ledger', 'ledger-0')", &[])
+        .await
+        .expect("current_seq")
+        .get(0);
+
+    let output = tokio::process::Command::new("psql")
+        .arg(with_database(&db.stack.admin_url, &db.name))
+        .arg("-q")
+        .arg("-f")
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../sql/sql_edition_to_extension.sql"
+        ))
+        .output()
+        .await
+        .expect("psql");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // The extension now, with the catalog of a fresh install.
+    let moved = db.admin().await;
+    let fresh_name = unique("t_fresh");
+    let admin = connect(&db.stack.admin_url).await;
+    admin
+        .batch_execute(&format!("CREATE DATABASE {fresh_name}"))
+        .await
+        .expect("create");
+    let fresh = connect(&with_database(&db.stack.admin_url, &fresh_name)).await;
+    fresh
+        .batch_execute("CREATE EXTENSION pg_outbox")
+        .await
+        .expect("extension");
+    let (moved_catalog, fresh_catalog) = (
+        catalog::describe(&moved).await,
+        catalog::describe(&fresh).await,
+    );
+    assert!(
+        moved_catalog == fresh_catalog,
+        "moved (first) and fresh (second) differ:\n{}",
+        catalog::difference(&moved_catalog, &fresh_catalog)
+    );
+    drop(fresh);
+    let _ = admin
+        .batch_execute(&format!("DROP DATABASE {fresh_name} WITH (FORCE)"))
+        .await;
+
+    // Numbering, keys and forwarding carry on.
+    let continued: i64 = moved
+        .query_one(
+            "SELECT aggregate_seq FROM outbox.emit_event('ledger', 'ledger-0', 'Happened', '{}')",
+            &[],
+        )
+        .await
+        .expect("emit after the move")
+        .get(0);
+    assert_eq!(continued, moved_at + 1);
+    let again = moved.query_one(keyed, &[]).await.expect("key replay");
+    assert_eq!(again.get::<_, String>(0), first.get::<_, String>(0));
+    assert!(again.get::<_, bool>(2), "the key replays the first event");
+    write_transactions(&mut writer, "ledger", 4, 100).await;
+
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    let v = read_all(&db, &mut reader, &topic).await;
+    eprintln!("{v:?}");
+    assert!(v.committed > 300, "{v:?}");
     assert_exactly_once(&v);
     forwarder.kill9().await;
     db.drop().await;
