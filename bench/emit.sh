@@ -16,9 +16,14 @@
 # last in even ones so that a drift within a round does not favour either
 # side. The summary gives each figure's median over the rounds.
 #   bench/emit.sh [SECONDS_PER_RUN] [ROUNDS]
+#   bench/emit.sh --direct-insert [SECONDS_PER_RUN] [ROUNDS]
+#       only (b) and (b-), interleaved: what the executor-free insert is
+#       worth, measured apart from the other scripts' effects on the VM
 set -euo pipefail
 . "$(dirname "$0")/../scripts/env.sh"
 cd "$ROOT"
+only_direct=
+if [ "${1:-}" = --direct-insert ]; then only_direct=1; shift; fi
 SECONDS_PER_RUN=${1:-5}
 ROUNDS=${2:-11}
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
@@ -90,6 +95,25 @@ say "pgbench, $SECONDS_PER_RUN s per run, $ROUNDS rounds"
 ratio() { echo "scale=2; $1 / $2" | bc; }
 ratio3() { echo "scale=3; $1 / $2" | bc; }
 median() { printf '%s\n' "$@" | sort -n | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
+drop_databases() {
+    psql_admin -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" \
+        -c "DROP DATABASE IF EXISTS $SQL_DB WITH (FORCE)" >/dev/null
+}
+
+if [ -n "$only_direct" ]; then
+    declare -a with without r_direct
+    printf '%-6s %8s %8s   %s\n' round "(b)" "(b-)" "(b)/(b-)" >&2
+    for round in $(seq 1 "$ROUNDS"); do
+        if (( round % 2 )); then e=$(run emit 8); n=$(run_sql_insert emit 8); else n=$(run_sql_insert emit 8); e=$(run emit 8); fi
+        with+=("$e"); without+=("$n"); r_direct+=("$(ratio3 "$e" "$n")")
+        printf '%-6s %8s %8s   %s\n' "$round" "$e" "$n" "${r_direct[-1]}" >&2
+    done
+    drop_databases
+    printf '\n%-60s %8s %8s %s\n' "emit_event, 8 clients (median of $ROUNDS)" "tps" "ratio" "keep it if"
+    printf '%-60s %8s %8s\n' "(b-) without the executor-free insert" "$(median "${without[@]}")" "1.000"
+    printf '%-60s %8s %8s %s\n' "(b) with it (the default)" "$(median "${with[@]}")" "$(median "${r_direct[@]}")" ">= 1.03"
+    exit 0
+fi
 declare -a plain emit emit_key emit_sql_insert edition hot1 hot8 shot1 shot8
 declare -a r_emit r_key r_direct r_edition r_hot r_shot
 printf '%-6s %7s %7s %7s %7s %7s %7s %7s %7s %7s   %s\n' round plain emit emit+key "emit-" "emit'" \
@@ -109,8 +133,7 @@ for round in $(seq 1 "$ROUNDS"); do
         "$h1" "$h8" "$s1" "$s8" "${r_emit[-1]}" "${r_key[-1]}" "${r_direct[-1]}" "${r_edition[-1]}" \
         "${r_hot[-1]}" "${r_shot[-1]}" >&2
 done
-psql_admin -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" \
-    -c "DROP DATABASE IF EXISTS $SQL_DB WITH (FORCE)" >/dev/null
+drop_databases
 
 printf '\n%-60s %8s %8s %s\n' "transaction: business INSERT plus (median of $ROUNDS)" "tps" "ratio" "target"
 printf '%-60s %8s %8s\n' "(a) plain outbox INSERT, no sequence, 8 clients" "$(median "${plain[@]}")" "1.00"
