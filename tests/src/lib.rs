@@ -170,6 +170,7 @@ pub struct TestDb {
     pub name: String,
     pub slot: String,
     pub topic_prefix: String,
+    pub edition: Edition,
 }
 
 impl TestDb {
@@ -191,6 +192,7 @@ impl TestDb {
             topic_prefix: name.replace('_', "-"),
             stack,
             name,
+            edition,
         };
         match edition {
             Edition::Extension => {
@@ -223,9 +225,15 @@ impl TestDb {
         db
     }
 
-    /// A new superuser connection to this database.
+    /// A new connection to this database as the role that installed the
+    /// outbox: a superuser for the extension; for the SQL edition the
+    /// database owner, who is no superuser, as on managed PostgreSQL.
     pub async fn admin(&self) -> Client {
-        connect(&with_database(&self.stack.admin_url, &self.name)).await
+        let url = match self.edition {
+            Edition::Extension => &self.stack.admin_url,
+            Edition::Sql => &self.stack.owner_url,
+        };
+        connect(&with_database(url, &self.name)).await
     }
 
     /// URL of this database for the forwarder's least-privilege role.

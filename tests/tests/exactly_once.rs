@@ -98,11 +98,25 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
     if Edition::skip_on_sql("it installs both editions itself") {
         return;
     }
-    let db = TestDb::create_with("move", Edition::Sql).await;
+    let mut db = TestDb::create_with("move", Edition::Sql).await;
     let topic = db.create_topic("ledger", 3).await;
     let forwarder = Forwarder::spawn(&db, EOS);
     db.wait_slot_active(WAIT).await;
-    let mut writer = db.admin().await;
+    // The application: a login with outbox_writer only, before and after.
+    let app = unique("app");
+    let admin = connect(&db.stack.admin_url).await;
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {app} LOGIN PASSWORD 'pw' IN ROLE outbox_writer"
+        ))
+        .await
+        .expect("application role");
+    let mut writer = connect(&with_database(&db.stack.admin_url, &db.name).replacen(
+        "postgres:postgres@",
+        &format!("{app}:pw@"),
+        1,
+    ))
+    .await;
     write_transactions(&mut writer, "ledger", 4, 100).await;
     let keyed = "SELECT event_id::text, aggregate_seq, replayed FROM outbox.emit_event('ledger', 'ledger-9', 'Keyed', '{}', idempotency_key => 'request-1')";
     let first = writer.query_one(keyed, &[]).await.expect("keyed emit");
@@ -129,10 +143,11 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
         String::from_utf8_lossy(&output.stderr)
     );
 
-    // The extension now, with the catalog of a fresh install.
+    // The extension now, with the catalog of a fresh install, owned by the
+    // superuser that moved it.
+    db.edition = Edition::Extension;
     let moved = db.admin().await;
     let fresh_name = unique("t_fresh");
-    let admin = connect(&db.stack.admin_url).await;
     admin
         .batch_execute(&format!("CREATE DATABASE {fresh_name}"))
         .await
@@ -157,7 +172,7 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
         .await;
 
     // Numbering, keys and forwarding carry on.
-    let continued: i64 = moved
+    let continued: i64 = writer
         .query_one(
             "SELECT aggregate_seq FROM outbox.emit_event('ledger', 'ledger-0', 'Happened', '{}')",
             &[],
@@ -166,7 +181,7 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
         .expect("emit after the move")
         .get(0);
     assert_eq!(continued, moved_at + 1);
-    let again = moved.query_one(keyed, &[]).await.expect("key replay");
+    let again = writer.query_one(keyed, &[]).await.expect("key replay");
     assert_eq!(again.get::<_, String>(0), first.get::<_, String>(0));
     assert!(again.get::<_, bool>(2), "the key replays the first event");
     write_transactions(&mut writer, "ledger", 4, 100).await;
@@ -177,5 +192,7 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
     assert!(v.committed > 300, "{v:?}");
     assert_exactly_once(&v);
     forwarder.kill9().await;
+    drop((writer, moved));
     db.drop().await;
+    let _ = admin.batch_execute(&format!("DROP ROLE {app}")).await;
 }

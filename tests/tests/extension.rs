@@ -245,6 +245,7 @@ fn db_stack_only() -> TestDb {
         name: "postgres".into(),
         slot: String::new(),
         topic_prefix: String::new(),
+        edition: Edition::Extension,
     }
 }
 
@@ -499,7 +500,7 @@ async fn the_inbox_tells_new_duplicate_and_gap_inside_the_consumers_transaction(
     let mut client = db.admin().await;
     client
         .execute(
-            "SELECT outbox.register_consumer('billing', 'postgres')",
+            "SELECT outbox.register_consumer('billing', current_user::text::regrole)",
             &[],
         )
         .await
@@ -774,6 +775,24 @@ async fn the_sql_edition_equals_the_extension_but_for_the_language_of_its_c_func
         "the SQL edition declares a C function"
     );
 
+    // The edition's event ids are version 7 UUIDs carrying the time.
+    let id: String = edition_client
+        .query_one("SELECT outbox.uuid_v7()::text", &[])
+        .await
+        .expect("uuid_v7")
+        .get(0);
+    assert_eq!(&id[14..15], "7", "version nibble of {id}");
+    assert!("89ab".contains(&id[19..20]), "RFC 9562 variant of {id}");
+    let millis = u64::from_str_radix(&format!("{}{}", &id[0..8], &id[9..13]), 16).expect("hex");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is past 1970")
+        .as_millis() as u64;
+    assert!(
+        now.abs_diff(millis) < 60_000,
+        "{id} carries the time it was made"
+    );
+
     // Run again over itself: nothing changes, no event is lost.
     let emitted: i64 = edition_client
         .query_one(
@@ -948,8 +967,17 @@ async fn what_an_operator_adds_to_the_events_table_is_honoured() {
             .await
             .map(|row| row.get::<_, i64>(0))
     };
-    // Every heap row is in every index (amcheck's heapallindexed).
+    // Every heap row is in every index (amcheck's heapallindexed). Checked
+    // for the extension's executor-free insert; the SQL edition inserts with
+    // SQL, and its owner may not install amcheck.
+    let on_sql = Edition::from_env() == Edition::Sql;
+    if on_sql {
+        eprintln!("not checked on the SQL edition: amcheck over the extension's direct insert");
+    }
     let indexes_hold_every_row = || async {
+        if on_sql {
+            return;
+        }
         client
             .batch_execute(
                 "CREATE EXTENSION IF NOT EXISTS amcheck;
@@ -1068,6 +1096,11 @@ async fn headers_within_the_rules_are_stored_as_given() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numbering_reads_past_rolled_back_events_on_vacuumed_pages() {
+    if Edition::skip_on_sql(
+        "it checks the C function's read from an all-visible index entry, with pg_visibility",
+    ) {
+        return;
+    }
     // The newest sequence comes from the index entry alone when VACUUM has
     // marked its heap page all-visible, and from the heap otherwise, where
     // a rolled-back event's entry is passed over.
@@ -1126,12 +1159,13 @@ async fn a_callers_search_path_cannot_lend_functions_to_the_extension() {
     let (app, client) = login_role(&db, "outbox_writer").await;
     db.admin()
         .await
-        .batch_execute(&format!("CREATE SCHEMA trap AUTHORIZATION {app}"))
+        .batch_execute(&format!("GRANT CREATE ON DATABASE {} TO {app}", db.name))
         .await
-        .expect("schema");
+        .expect("grant");
     client
         .batch_execute(
-            "CREATE FUNCTION trap.texteq(a text, b text) RETURNS boolean LANGUAGE plpgsql
+            "CREATE SCHEMA trap;
+             CREATE FUNCTION trap.texteq(a text, b text) RETURNS boolean LANGUAGE plpgsql
                  AS $$ BEGIN RAISE EXCEPTION 'hijacked: =' USING ERRCODE = 'XX123'; END $$;
              CREATE OPERATOR trap.= (LEFTARG = text, RIGHTARG = text, FUNCTION = trap.texteq);
              CREATE FUNCTION trap.length(t text) RETURNS integer LANGUAGE plpgsql
