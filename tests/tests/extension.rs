@@ -1241,3 +1241,125 @@ async fn a_callers_search_path_cannot_lend_functions_to_the_extension() {
     drop_roles(&db, &[&app]).await;
     db.drop().await;
 }
+
+/// Runs the SQL edition's `file` with psql against `url`: its exit status
+/// and what it printed on stderr.
+async fn run_sql_file(url: &str, file: &std::path::Path) -> (bool, String) {
+    let output = tokio::process::Command::new("psql")
+        .arg(url)
+        .arg("-q")
+        .arg("-f")
+        .arg(file)
+        .output()
+        .await
+        .expect("psql");
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// The installed edition's version, the comment of outbox.inbox, and whether
+/// outbox.next_release() exists.
+async fn edition_state(client: &Client) -> (String, Option<String>, bool) {
+    let row = client
+        .query_one(
+            "SELECT obj_description('outbox'::regnamespace, 'pg_namespace'),
+                    obj_description('outbox.inbox'::regclass, 'pg_class'),
+                    to_regprocedure('outbox.next_release()') IS NOT NULL",
+            &[],
+        )
+        .await
+        .expect("installed version");
+    (row.get(0), row.get(1), row.get(2))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_data() {
+    if Edition::skip_on_sql("it assembles and installs editions itself, in the extension pass") {
+        return;
+    }
+    // A next release, 0.4.1: today's SQL plus one upgrade step.
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let release = std::env::temp_dir().join(unique("edition_next"));
+    std::fs::create_dir_all(&release).expect("temp dir");
+    for entry in std::fs::read_dir(root.join("pg_ext/sql")).expect("sql dir") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, release.join(path.file_name().expect("name"))).expect("copy");
+    }
+    std::fs::write(
+        release.join("pg_outbox--0.4.0--0.4.1.sql"),
+        "COMMENT ON TABLE outbox.inbox IS 'changed by 0.4.1';\n\
+         CREATE FUNCTION outbox.next_release() RETURNS integer LANGUAGE sql AS 'SELECT 41';\n",
+    )
+    .expect("step");
+    let next_file = release.join("pg_outbox_sql-0.4.1.sql");
+    let assembled = std::process::Command::new(root.join("scripts/sql-edition"))
+        .arg("--out")
+        .arg(&next_file)
+        .env("OUTBOX_EDITION_SQL_DIR", &release)
+        .env("OUTBOX_EDITION_VERSION", "0.4.1")
+        .output()
+        .expect("scripts/sql-edition");
+    assert!(
+        assembled.status.success(),
+        "{}",
+        String::from_utf8_lossy(&assembled.stderr)
+    );
+
+    // Today's edition, with data in it.
+    let stack = pg_outbox_tests::Stack::from_env();
+    let owner = pg_outbox_tests::user_of(&stack.owner_url).to_owned();
+    let name = scratch_database("t_next", Some(&owner)).await;
+    let url = with_database(&stack.owner_url, &name);
+    pg_outbox_tests::install_sql_edition(&url).await;
+    let client = connect(&url).await;
+    for _ in 0..3 {
+        client
+            .query_one(
+                "SELECT * FROM outbox.emit_event('order', 'o-1', 'E', '{}', idempotency_key => NULL)",
+                &[],
+            )
+            .await
+            .expect("emit");
+    }
+    assert_eq!(
+        edition_state(&client).await.0,
+        "pg_outbox SQL edition 0.4.0"
+    );
+
+    // The next release's file over it: upgraded in place, data kept.
+    let (ok, stderr) = run_sql_file(&url, &next_file).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(
+        edition_state(&client).await,
+        (
+            "pg_outbox SQL edition 0.4.1".to_owned(),
+            Some("changed by 0.4.1".to_owned()),
+            true
+        )
+    );
+    assert_eq!(count(&client, "events").await, 3);
+    let next: i64 = client
+        .query_one(
+            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
+            &[],
+        )
+        .await
+        .expect("emit after the upgrade")
+        .get(0);
+    assert_eq!(next, 4);
+
+    // Again: nothing changes. The older file over it: refused.
+    let before = catalog::describe(&client).await;
+    let (ok, stderr) = run_sql_file(&url, &next_file).await;
+    assert!(ok, "{stderr}");
+    assert_eq!(catalog::describe(&client).await, before);
+    let (ok, stderr) = run_sql_file(&url, &pg_outbox_tests::sql_edition_file()).await;
+    assert!(!ok, "an older edition's file ran over a newer one");
+    assert!(stderr.contains("newer than this file"), "{stderr}");
+
+    drop(client);
+    drop_databases(&[&name]).await;
+    let _ = std::fs::remove_dir_all(&release);
+}
