@@ -145,22 +145,28 @@ pub fn sql_edition_file() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sql/pg_outbox_sql.sql")
 }
 
-/// Runs the SQL edition's file with psql against `url`, as its README says.
-pub async fn install_sql_edition(url: &str) {
+/// Runs an SQL file with psql against `url`, as a user would: whether it
+/// succeeded, and what it printed on stderr.
+pub async fn psql_file(url: &str, file: &std::path::Path) -> (bool, String) {
     let output = Command::new("psql")
         .arg(url)
         .arg("-q")
         .arg("-f")
-        .arg(sql_edition_file())
+        .arg(file)
         .stdin(Stdio::null())
         .output()
         .await
         .expect("run psql");
-    assert!(
+    (
         output.status.success(),
-        "installing the SQL edition failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Installs the SQL edition into the database of `url`, as its README says.
+pub async fn install_sql_edition(url: &str) {
+    let (ok, stderr) = psql_file(url, &sql_edition_file()).await;
+    assert!(ok, "installing the SQL edition failed: {stderr}");
 }
 
 /// A database of its own with the outbox installed (see [`Edition`]), and a

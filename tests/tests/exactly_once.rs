@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    catalog, connect, read_every_committed, unique, with_database, write_transactions, Edition,
-    Forwarder, Reader, TestDb, Verdict,
+    catalog, connect, psql_file, read_every_committed, unique, with_database, write_transactions,
+    Edition, Forwarder, Reader, TestDb, Verdict,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -126,22 +126,15 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
         .expect("current_seq")
         .get(0);
 
-    let output = tokio::process::Command::new("psql")
-        .arg(with_database(&db.stack.admin_url, &db.name))
-        .arg("-q")
-        .arg("-f")
-        .arg(concat!(
+    let (ok, stderr) = psql_file(
+        &with_database(&db.stack.admin_url, &db.name),
+        std::path::Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../sql/sql_edition_to_extension.sql"
-        ))
-        .output()
-        .await
-        .expect("psql");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+        )),
+    )
+    .await;
+    assert!(ok, "{stderr}");
 
     // The extension now, with the catalog of a fresh install, owned by the
     // superuser that moved it.

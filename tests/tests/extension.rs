@@ -808,16 +808,12 @@ async fn the_sql_edition_equals_the_extension_but_for_the_language_of_its_c_func
     assert_eq!(count(&edition_client, "events").await, 1);
 
     // Over the extension, or a schema outbox of someone else's: refused.
-    let refused = tokio::process::Command::new("psql")
-        .arg(with_database(&stack.admin_url, &extension))
-        .arg("-q")
-        .arg("-f")
-        .arg(pg_outbox_tests::sql_edition_file())
-        .output()
-        .await
-        .expect("psql");
-    assert!(!refused.status.success());
-    let stderr = String::from_utf8_lossy(&refused.stderr);
+    let (ok, stderr) = pg_outbox_tests::psql_file(
+        &with_database(&stack.admin_url, &extension),
+        &pg_outbox_tests::sql_edition_file(),
+    )
+    .await;
+    assert!(!ok);
     assert!(
         stderr.contains("this database has the pg_outbox extension"),
         "{stderr}"
@@ -1242,23 +1238,6 @@ async fn a_callers_search_path_cannot_lend_functions_to_the_extension() {
     db.drop().await;
 }
 
-/// Runs the SQL edition's `file` with psql against `url`: its exit status
-/// and what it printed on stderr.
-async fn run_sql_file(url: &str, file: &std::path::Path) -> (bool, String) {
-    let output = tokio::process::Command::new("psql")
-        .arg(url)
-        .arg("-q")
-        .arg("-f")
-        .arg(file)
-        .output()
-        .await
-        .expect("psql");
-    (
-        output.status.success(),
-        String::from_utf8_lossy(&output.stderr).into_owned(),
-    )
-}
-
 /// The installed edition's version, the comment of outbox.inbox, and whether
 /// outbox.next_release() exists.
 async fn edition_state(client: &Client) -> (String, Option<String>, bool) {
@@ -1329,7 +1308,7 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
     );
 
     // The next release's file over it: upgraded in place, data kept.
-    let (ok, stderr) = run_sql_file(&url, &next_file).await;
+    let (ok, stderr) = pg_outbox_tests::psql_file(&url, &next_file).await;
     assert!(ok, "{stderr}");
     assert_eq!(
         edition_state(&client).await,
@@ -1352,10 +1331,10 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
 
     // Again: nothing changes. The older file over it: refused.
     let before = catalog::describe(&client).await;
-    let (ok, stderr) = run_sql_file(&url, &next_file).await;
+    let (ok, stderr) = pg_outbox_tests::psql_file(&url, &next_file).await;
     assert!(ok, "{stderr}");
     assert_eq!(catalog::describe(&client).await, before);
-    let (ok, stderr) = run_sql_file(&url, &pg_outbox_tests::sql_edition_file()).await;
+    let (ok, stderr) = pg_outbox_tests::psql_file(&url, &pg_outbox_tests::sql_edition_file()).await;
     assert!(!ok, "an older edition's file ran over a newer one");
     assert!(stderr.contains("newer than this file"), "{stderr}");
 
