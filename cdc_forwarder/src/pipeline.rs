@@ -457,8 +457,19 @@ impl<'a> Session<'a> {
                 }
                 _ = progress_tick.tick() => {
                     if self.confirmed > self.recorded {
-                        slot::record_progress(&self.sql, &self.config.slot, self.confirmed, false).await?;
-                        self.recorded = self.confirmed;
+                        // Bookkeeping for retention and status, which only
+                        // wait longer while it lags: a statement the server
+                        // refuses (as while the outbox's schema is replaced
+                        // under a running forwarder) is tried again at the
+                        // next tick. Losing the connection ends the session.
+                        match slot::record_progress(&self.sql, &self.config.slot, self.confirmed, false).await {
+                            Ok(()) => self.recorded = self.confirmed,
+                            Err(Error::Postgres(e)) if e.as_db_error().is_some() => {
+                                self.metrics.error("postgres");
+                                tracing::warn!(error = %e, "could not record the confirmed position; trying again in a second");
+                            }
+                            Err(e) => return Err(e),
+                        }
                     }
                     if let Some((lag, retained)) = slot::wal_figures(&self.sql, &self.config.slot).await? {
                         self.metrics.lag_bytes.set(lag);

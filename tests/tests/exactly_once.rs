@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    catalog, connect, psql_file, read_every_committed, unique, with_database, write_transactions,
-    Edition, Forwarder, Reader, TestDb, Verdict,
+    catalog, connect, psql_file, read_every_committed, unique, wait_until, with_database,
+    write_transactions, Edition, Forwarder, Reader, TestDb, Verdict,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -126,14 +126,44 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
         .expect("current_seq")
         .get(0);
 
-    let (ok, stderr) = psql_file(
-        &with_database(&db.stack.admin_url, &db.name),
-        std::path::Path::new(concat!(
+    // The move, with the forwarder's progress bookkeeping caught behind it:
+    // a session holds the last table the move locks, so the move waits
+    // holding the others, the forwarder records its next position and
+    // waits on relay_progress, and only then the move goes ahead. (The
+    // forwarder's call then runs in the new schema.)
+    let superuser_url = with_database(&db.stack.admin_url, &db.name);
+    let blocker = connect(&superuser_url).await;
+    blocker
+        .batch_execute("BEGIN; LOCK TABLE outbox.inbox_positions IN ACCESS SHARE MODE")
+        .await
+        .expect("hold inbox_positions");
+    let mover = tokio::spawn(async move {
+        let script = std::path::Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../sql/sql_edition_to_extension.sql"
-        )),
+        ));
+        psql_file(&superuser_url, script).await
+    });
+    let watcher = connect(&db.stack.admin_url).await;
+    wait_until(
+        WAIT,
+        "the forwarder's progress to wait behind the move",
+        || async {
+            matches!(
+            watcher
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'
+                        AND query LIKE '%record_relay_progress%'",
+                    &[&db.name],
+                )
+                .await,
+            Ok(Some(_))
+        )
+        },
     )
     .await;
+    blocker.batch_execute("COMMIT").await.expect("release");
+    let (ok, stderr) = mover.await.expect("psql");
     assert!(ok, "{stderr}");
 
     // The extension now, with the catalog of a fresh install, owned by the
