@@ -258,7 +258,7 @@ impl std::fmt::Debug for PgTarget {
 }
 
 /// The delivery guarantee.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Delivery {
     /// Idempotent producer; a crash can repeat events, never lose them.
     AtLeastOnce,
@@ -306,7 +306,7 @@ pub struct Config {
 }
 
 /// Kafka's `security.protocol`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum KafkaProtocol {
     Plaintext,
     Ssl,
@@ -324,16 +324,18 @@ impl KafkaProtocol {
         }
     }
 
-    fn uses_sasl(self) -> bool {
+    pub fn uses_sasl(self) -> bool {
         matches!(self, KafkaProtocol::SaslPlaintext | KafkaProtocol::SaslSsl)
     }
 }
 
 /// SASL mechanisms that work with a username and password.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum SaslMechanism {
     Plain,
+    #[value(name = "scram-sha-256")]
     ScramSha256,
+    #[value(name = "scram-sha-512")]
     ScramSha512,
 }
 
@@ -612,28 +614,6 @@ mod tests {
     }
 
     #[test]
-    fn the_file_refuses_unknown_keys_by_name_and_knows_every_documented_key() {
-        let err = FileConfig::parse("slot = \"a\"\nslott = \"b\"\n")
-            .err()
-            .expect("refused");
-        assert!(err.contains("slott"), "{err}");
-        let all: String = FILE_KEYS
-            .iter()
-            .filter(|k| **k != "kafka_properties")
-            .map(|k| match *k {
-                "no_create" => format!("{k} = true\n"),
-                "batch_max_events" | "batch_max_ms" | "ready_max_lag_bytes" => format!("{k} = 1\n"),
-                _ => format!("{k} = \"x\"\n"),
-            })
-            .collect::<String>()
-            + "[kafka_properties]\n\"linger.ms\" = \"10\"\n";
-        assert!(
-            FileConfig::parse(&all).is_ok(),
-            "every listed key is accepted"
-        );
-    }
-
-    #[test]
     fn raw_kafka_properties_may_not_contradict_typed_options() {
         let mut c = Config::new("postgres://u@h/db", "k:9092").expect("valid");
         c.kafka_properties.0.insert("acks".into(), "1".into());
@@ -754,72 +734,5 @@ mod tests {
             .expect_err("bad slot")
             .to_string()
             .contains("slot name"));
-    }
-}
-
-/// The configuration file (TOML). Keys are the `run` flags with `_` for `-`;
-/// `[kafka_properties]` passes raw librdkafka properties through. Flags and
-/// `OUTBOX_` environment variables override it. Unknown keys are refused.
-#[derive(Default, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileConfig {
-    pub postgres_url: Option<String>,
-    pub kafka_bootstrap: Option<String>,
-    pub slot: Option<String>,
-    pub publication: Option<String>,
-    pub topic_template: Option<String>,
-    pub no_create: Option<bool>,
-    pub delivery: Option<String>,
-    pub offsets_topic: Option<String>,
-    pub batch_max_events: Option<usize>,
-    pub batch_max_ms: Option<u64>,
-    pub dead_letter_topic: Option<String>,
-    pub value_format: Option<String>,
-    pub metrics_listen: Option<String>,
-    pub ready_max_lag_bytes: Option<u64>,
-    pub kafka_security_protocol: Option<String>,
-    pub kafka_sasl_mechanism: Option<String>,
-    pub kafka_sasl_username: Option<String>,
-    pub kafka_sasl_password: Option<String>,
-    pub kafka_ssl_ca: Option<String>,
-    #[serde(default)]
-    pub kafka_properties: std::collections::BTreeMap<String, String>,
-}
-
-/// Every key of the configuration file, for the documentation test.
-pub const FILE_KEYS: &[&str] = &[
-    "postgres_url",
-    "kafka_bootstrap",
-    "slot",
-    "publication",
-    "topic_template",
-    "no_create",
-    "delivery",
-    "offsets_topic",
-    "batch_max_events",
-    "batch_max_ms",
-    "dead_letter_topic",
-    "value_format",
-    "metrics_listen",
-    "ready_max_lag_bytes",
-    "kafka_security_protocol",
-    "kafka_sasl_mechanism",
-    "kafka_sasl_username",
-    "kafka_sasl_password",
-    "kafka_ssl_ca",
-    "kafka_properties",
-];
-
-impl FileConfig {
-    pub fn load(path: &std::path::Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            Error::Config(format!("cannot read config file {}: {e}", path.display()))
-        })?;
-        Self::parse(&text)
-            .map_err(|e| Error::Config(format!("config file {}: {e}", path.display())))
-    }
-
-    pub fn parse(text: &str) -> std::result::Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.message().to_owned())
     }
 }

@@ -10,6 +10,7 @@ pub mod faults;
 pub mod lsn;
 pub mod metrics;
 pub mod offsets;
+pub mod options;
 pub mod pgoutput;
 pub mod pipeline;
 pub mod producer;

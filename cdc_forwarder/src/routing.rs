@@ -45,7 +45,7 @@ impl Route {
 }
 
 /// What a record's value holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum ValueFormat {
     /// The payload JSON, identity in headers (the default).
     #[default]
@@ -53,6 +53,7 @@ pub enum ValueFormat {
     /// A JSON object with the identity fields and `payload`.
     Envelope,
     /// CloudEvents 1.0 binary mode: `ce_*` headers, the payload as data.
+    #[value(name = "cloudevents")]
     CloudEvents,
 }
 
