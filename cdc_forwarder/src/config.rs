@@ -288,10 +288,11 @@ pub struct Config {
     pub offsets_topic: String,
     /// Overrides the transactional id derived from database and slot.
     pub transactional_id_override: Option<String>,
-    /// A Kafka transaction is committed once it holds this many events...
+    /// A Kafka transaction is committed at the first PostgreSQL commit where
+    /// it holds this many events, even while more wait behind it.
     pub batch_max_events: usize,
-    /// ...or has been open this long, at the next PostgreSQL commit.
-    pub batch_max_time: Duration,
+    /// How long a complete Kafka transaction waits for more before its commit.
+    pub batch_linger: Duration,
     /// Kafka's `transaction.timeout.ms`.
     pub transaction_timeout: Duration,
     /// Where poison events go; without it a poison event halts the forwarder.
@@ -468,7 +469,7 @@ impl Config {
             offsets_topic: "pg_outbox.offsets".into(),
             transactional_id_override: None,
             batch_max_events: 5_000,
-            batch_max_time: Duration::from_millis(100),
+            batch_linger: Duration::ZERO,
             transaction_timeout: Duration::from_secs(300),
             dead_letter_topic: None,
             value_format: ValueFormat::Raw,

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod event;
 pub mod faults;
+pub mod ledger;
 pub mod lsn;
 pub mod metrics;
 pub mod offsets;
@@ -17,7 +18,9 @@ pub mod producer;
 pub mod replay;
 pub mod replication;
 pub mod routing;
+pub mod sink;
 pub mod slot;
+pub mod source;
 pub mod status;
 pub mod tls;
 

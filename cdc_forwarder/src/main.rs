@@ -346,11 +346,11 @@ mod tests {
 
     #[test]
     fn a_flag_beats_its_variable_which_beats_the_file_which_beats_the_default() {
-        let file = "slot = \"from_file\"\nbatch_max_ms = 7\n";
+        let file = "slot = \"from_file\"\nbatch_linger_ms = 7\n";
         assert_eq!(config(&[], "").expect("valid").slot, "pg_outbox");
         assert_eq!(config(&[], file).expect("valid").slot, "from_file");
         assert_eq!(
-            config(&[], file).expect("valid").batch_max_time,
+            config(&[], file).expect("valid").batch_linger,
             std::time::Duration::from_millis(7)
         );
         // The only test that sets this variable.

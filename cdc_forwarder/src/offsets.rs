@@ -85,16 +85,6 @@ impl OffsetStore {
         Ok(())
     }
 
-    /// The value of an offset record.
-    pub fn encode(&self, lsn: Lsn) -> String {
-        format!(r#"{{"lsn":"{lsn}"}}"#)
-    }
-
-    fn decode(value: &[u8]) -> Option<Lsn> {
-        let v: serde_json::Value = serde_json::from_slice(value).ok()?;
-        v.get("lsn")?.as_str()?.parse().ok()
-    }
-
     /// [`Self::load`] on the blocking pool.
     pub async fn load_async(&self, timeout: Duration) -> Result<Option<Lsn>> {
         let store = self.clone();
@@ -151,7 +141,7 @@ impl OffsetStore {
             match committed.poll(Duration::from_millis(200)) {
                 Some(Ok(message)) => {
                     if message.key() == Some(self.key.as_bytes()) {
-                        if let Some(lsn) = message.payload().and_then(Self::decode) {
+                        if let Some(lsn) = message.payload().and_then(decode) {
                             found = Some(lsn);
                         }
                     }
@@ -186,20 +176,55 @@ impl OffsetStore {
     }
 }
 
+/// The value of an offset record.
+pub fn encode(lsn: Lsn) -> String {
+    format!(r#"{{"lsn":"{lsn}"}}"#)
+}
+
+/// The position in an offset record's value, if it is one.
+pub fn decode(value: &[u8]) -> Option<Lsn> {
+    let v: serde_json::Value = serde_json::from_slice(value).ok()?;
+    v.get("lsn")?.as_str()?.parse().ok()
+}
+
+/// Where the transactional sink keeps its offset. [`OffsetStore`] is the
+/// real one, in Kafka; the pipeline's tests have one in memory.
+#[allow(async_fn_in_trait)]
+pub trait Offsets {
+    /// Topic and key of the offset records.
+    fn address(&self) -> (&str, &str);
+    /// Creates the (compacted) topic when it is missing.
+    async fn ensure_topic(&self) -> Result<()>;
+    /// The last committed offset, if any.
+    async fn stored(&self) -> Result<Option<Lsn>>;
+}
+
+/// How long reading the stored offset may take.
+const LOAD_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Offsets for OffsetStore {
+    fn address(&self) -> (&str, &str) {
+        (&self.topic, &self.key)
+    }
+
+    async fn ensure_topic(&self) -> Result<()> {
+        OffsetStore::ensure_topic(self).await
+    }
+
+    async fn stored(&self) -> Result<Option<Lsn>> {
+        self.load_async(LOAD_TIMEOUT).await
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn offset_values_round_trip() {
-        let store = OffsetStore {
-            client: ClientConfig::new(),
-            topic: "t".into(),
-            key: "k".into(),
-        };
         let lsn = Lsn(0x1_6B37_4D48);
-        assert_eq!(OffsetStore::decode(store.encode(lsn).as_bytes()), Some(lsn));
-        assert_eq!(OffsetStore::decode(b"{}"), None);
-        assert_eq!(OffsetStore::decode(b"garbage"), None);
+        assert_eq!(decode(encode(lsn).as_bytes()), Some(lsn));
+        assert_eq!(decode(b"{}"), None);
+        assert_eq!(decode(b"garbage"), None);
     }
 }

@@ -56,12 +56,15 @@ pub struct Options {
         default_value = "pg_outbox.offsets"
     )]
     pub offsets_topic: String,
-    /// Exactly-once: commit a Kafka transaction once it holds this many events...
+    /// Exactly-once: commit a Kafka transaction at the first PostgreSQL commit
+    /// where it holds this many events, even while more wait behind it.
     #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 5000)]
     pub batch_max_events: usize,
-    /// ...or once it has been open this many milliseconds.
-    #[arg(long, env = "OUTBOX_BATCH_MAX_MS", default_value_t = 100)]
-    pub batch_max_ms: u64,
+    /// Exactly-once: how long a Kafka transaction waits for more PostgreSQL
+    /// transactions before its commit starts (0: at once; one commit is in
+    /// flight at a time and the next transaction fills meanwhile).
+    #[arg(long, env = "OUTBOX_BATCH_LINGER_MS", default_value_t = 0)]
+    pub batch_linger_ms: u64,
     /// Send events Kafka refuses (too large, unroutable) to this topic, with
     /// the reason in headers, instead of halting.
     #[arg(long, env = "OUTBOX_DEAD_LETTER_TOPIC")]
@@ -127,7 +130,7 @@ impl Options {
         config.dead_letter_topic = self.dead_letter_topic;
         config.value_format = self.value_format;
         config.batch_max_events = self.batch_max_events;
-        config.batch_max_time = std::time::Duration::from_millis(self.batch_max_ms);
+        config.batch_linger = std::time::Duration::from_millis(self.batch_linger_ms);
         let protocol = self.kafka_security_protocol;
         config.kafka_security = KafkaSecurity {
             protocol,
@@ -291,7 +294,7 @@ mod tests {
             .filter(|r| r.key != KAFKA_PROPERTIES)
             .map(|r| match r.key.as_str() {
                 "no_create" => format!("{} = true\n", r.key),
-                "batch_max_events" | "batch_max_ms" | "ready_max_lag_bytes" => {
+                "batch_max_events" | "batch_linger_ms" | "ready_max_lag_bytes" => {
                     format!("{} = 1\n", r.key)
                 }
                 "delivery" => "delivery = \"exactly_once\"\n".into(),

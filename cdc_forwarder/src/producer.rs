@@ -6,8 +6,11 @@
 //! The transactional calls block; they run on tokio's blocking pool, never on
 //! the async workers.
 
+use std::future::Future;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use futures::FutureExt;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
@@ -134,6 +137,85 @@ impl Producer {
         self.inner.flush(timeout)?;
         Ok(())
     }
+}
+
+/// What a sink needs of Kafka. [`Producer`] is the real one; the pipeline's
+/// tests have one in memory.
+#[allow(async_fn_in_trait)]
+pub trait Kafka {
+    /// Resolves when Kafka acknowledged the record, or refused it: a refusal
+    /// for good is [`Error::Poison`] naming the event.
+    type Delivery: Future<Output = Result<()>> + Unpin + 'static;
+
+    /// Enqueues an event as routed.
+    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery>;
+    /// Enqueues a record that is not an event (the offset record).
+    async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<Self::Delivery>;
+    /// Registers the transactional id, fencing older producers of it.
+    async fn init_transactions(&self) -> Result<()>;
+    async fn begin_transaction(&self) -> Result<()>;
+    /// Starts committing the open transaction; every record in it is
+    /// delivered once the future resolves with `Ok`. The future runs on its
+    /// own: it may be polled after the caller was cancelled.
+    fn commit_transaction(&self) -> BoxFuture<'static, Result<()>>;
+    async fn abort_transaction(&self) -> Result<()>;
+    /// Waits for queued records to be delivered, up to `timeout`.
+    fn flush(&self, timeout: Duration) -> Result<()>;
+}
+
+impl Kafka for Producer {
+    type Delivery = BoxFuture<'static, Result<()>>;
+
+    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery> {
+        let delivery = Producer::send(self, event, route).await?;
+        Ok(classify(delivery, &event.event_id))
+    }
+
+    async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<Self::Delivery> {
+        let delivery = Producer::send_raw(self, topic, key, value).await?;
+        Ok(classify(delivery, "offset record"))
+    }
+
+    async fn init_transactions(&self) -> Result<()> {
+        Producer::init_transactions(self).await
+    }
+
+    async fn begin_transaction(&self) -> Result<()> {
+        Producer::begin_transaction(self).await
+    }
+
+    fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
+        let producer = self.clone();
+        async move { Producer::commit_transaction(&producer).await }.boxed()
+    }
+
+    async fn abort_transaction(&self) -> Result<()> {
+        Producer::abort_transaction(self).await
+    }
+
+    fn flush(&self, timeout: Duration) -> Result<()> {
+        Producer::flush(self, timeout)
+    }
+}
+
+/// A delivery report as a result, naming the event when Kafka refuses it
+/// for good.
+fn classify(report: DeliveryFuture, what: &str) -> BoxFuture<'static, Result<()>> {
+    let what = what.to_owned();
+    async move {
+        match report.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(match e.rdkafka_error_code() {
+                Some(code) if is_poison(code) => Error::Poison {
+                    event_id: what,
+                    reason: format!("kafka refused it: {code}"),
+                },
+                _ => Error::Kafka(e),
+            }),
+            Err(_) => Err(Error::Kafka(KafkaError::Canceled)),
+        }
+    }
+    .boxed()
 }
 
 /// Codes that say this record will never be accepted, whatever the retry.

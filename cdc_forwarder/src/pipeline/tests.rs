@@ -1,0 +1,499 @@
+//! The confirm rule, driven through the real pipeline loop and the real
+//! sinks, against a source and a Kafka in memory that acknowledge, fail and
+//! commit in random order. Every session ends by an error or a shutdown and
+//! the next starts where the slot was confirmed, as PostgreSQL would.
+//!
+//! Checked at every confirmation: Kafka durably holds every event of every
+//! transaction at or before the confirmed position (at-least-once: its
+//! delivery was acknowledged; exactly-once: its Kafka transaction committed).
+//! Checked at the end: every event arrived (exactly-once: once, and every
+//! Kafka transaction holds whole PostgreSQL transactions).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::channel::oneshot;
+use futures::future::BoxFuture;
+use futures::FutureExt;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::*;
+use crate::offsets::{self, Offsets};
+use crate::producer::Kafka;
+use crate::routing::Route;
+
+const OFFSETS_TOPIC: &str = "offsets";
+
+/// A PostgreSQL transaction of the history: its events' ids and its commit end.
+#[derive(Debug, Clone)]
+struct Txn {
+    events: Vec<String>,
+    end: Lsn,
+}
+
+/// A history of transactions with keepalives between some of them.
+fn history(rng: &mut StdRng) -> Vec<Txn> {
+    let mut next_event = 0;
+    (0..rng.random_range(1..40u64))
+        .map(|i| {
+            let events = (0..rng.random_range(0..6))
+                .map(|_| {
+                    next_event += 1;
+                    format!("e{next_event}")
+                })
+                .collect();
+            Txn {
+                events,
+                end: Lsn(100 * (i + 1)),
+            }
+        })
+        .collect()
+}
+
+fn event(id: &str) -> OutboxEvent {
+    OutboxEvent {
+        event_id: id.into(),
+        aggregate_type: "order".into(),
+        aggregate_id: "a".into(),
+        aggregate_seq: 1,
+        event_type: "Placed".into(),
+        schema_version: 1,
+        payload: bytes::Bytes::from_static(b"{}"),
+        headers: None,
+        topic: None,
+        occurred_at: "2026-12-01 00:00:00+00".into(),
+    }
+}
+
+/// A record as the tests see it: topic and value (the event id, or the offset).
+type Record = (String, String);
+
+/// What the slot and Kafka hold, shared by sessions.
+struct World {
+    rng: StdRng,
+    history: Vec<Txn>,
+    exactly_once: bool,
+    /// The slot's confirmed position.
+    confirmed: Lsn,
+    /// Records Kafka acknowledged (at-least-once) or committed (exactly-once),
+    /// as (topic, value), in order.
+    durable: Vec<Record>,
+    /// Committed Kafka transactions, as the records in each.
+    kafka_txns: Vec<Vec<Record>>,
+    /// The open Kafka transaction: its records, and whether one failed.
+    open: Option<(Vec<Record>, bool)>,
+    /// Records sent and not yet acknowledged.
+    pending: Vec<(Record, oneshot::Sender<Result<()>>)>,
+    /// Chance of a failed delivery or commit, per thousand.
+    failure_rate: u32,
+    violations: Vec<String>,
+}
+
+impl World {
+    fn durable_events(&self) -> HashMap<String, usize> {
+        let mut seen = HashMap::new();
+        for (topic, value) in &self.durable {
+            if topic != OFFSETS_TOPIC {
+                *seen.entry(value.clone()).or_default() += 1;
+            }
+        }
+        seen
+    }
+
+    /// Acknowledges or fails some pending records.
+    fn deliver_some(&mut self) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            if self.rng.random_bool(0.3) {
+                let (record, reply) = self.pending.swap_remove(i);
+                let fail = self.rng.random_range(0..1000) < self.failure_rate;
+                match &mut self.open {
+                    Some((_, failed)) if self.exactly_once => *failed |= fail,
+                    _ if !fail => self.durable.push(record),
+                    _ => {}
+                }
+                let outcome = if fail {
+                    Err(Error::Kafka(rdkafka::error::KafkaError::Canceled))
+                } else {
+                    Ok(())
+                };
+                let _ = reply.send(outcome);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+type Shared = Arc<Mutex<World>>;
+
+#[derive(Clone)]
+struct MemoryKafka(Shared);
+
+impl MemoryKafka {
+    fn enqueue(&self, topic: &str, value: &str) -> BoxFuture<'static, Result<()>> {
+        let (reply, delivery) = oneshot::channel();
+        let mut world = self.0.lock().expect("the world");
+        let record = (topic.to_owned(), value.to_owned());
+        if let Some((records, _)) = &mut world.open {
+            records.push(record.clone());
+        }
+        world.pending.push((record, reply));
+        async move {
+            delivery
+                .await
+                .unwrap_or(Err(Error::Kafka(rdkafka::error::KafkaError::Canceled)))
+        }
+        .boxed()
+    }
+}
+
+impl Kafka for MemoryKafka {
+    type Delivery = BoxFuture<'static, Result<()>>;
+
+    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery> {
+        Ok(self.enqueue(&route.topic, &event.event_id))
+    }
+
+    async fn send_raw(&self, topic: &str, _key: &str, value: &str) -> Result<Self::Delivery> {
+        Ok(self.enqueue(topic, value))
+    }
+
+    async fn init_transactions(&self) -> Result<()> {
+        // Fences the older producer: its open transaction is aborted.
+        let mut world = self.0.lock().expect("the world");
+        world.open = None;
+        world.pending.clear();
+        Ok(())
+    }
+
+    async fn begin_transaction(&self) -> Result<()> {
+        let mut world = self.0.lock().expect("the world");
+        assert!(world.open.is_none(), "a transaction is already open");
+        world.open = Some((Vec::new(), false));
+        Ok(())
+    }
+
+    fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
+        let world = self.0.clone();
+        async move {
+            // A commit takes a while; the source goes on meanwhile.
+            let turns = world.lock().expect("the world").rng.random_range(0..30);
+            for _ in 0..turns {
+                tokio::task::yield_now().await;
+            }
+            let mut world = world.lock().expect("the world");
+            let (records, failed) = world.open.take().expect("no open transaction");
+            let fail = failed || world.rng.random_range(0..1000) < world.failure_rate;
+            for (_, reply) in world.pending.drain(..) {
+                let _ = reply.send(if fail {
+                    Err(Error::Kafka(rdkafka::error::KafkaError::Canceled))
+                } else {
+                    Ok(())
+                });
+            }
+            if fail {
+                return Err(Error::Kafka(rdkafka::error::KafkaError::Canceled));
+            }
+            world.durable.extend(records.iter().cloned());
+            world.kafka_txns.push(records);
+            Ok(())
+        }
+        .boxed()
+    }
+
+    async fn abort_transaction(&self) -> Result<()> {
+        let mut world = self.0.lock().expect("the world");
+        world.open = None;
+        world.pending.clear();
+        Ok(())
+    }
+
+    fn flush(&self, _timeout: Duration) -> Result<()> {
+        Ok(())
+    }
+}
+
+struct MemoryOffsets(Shared);
+
+impl Offsets for MemoryOffsets {
+    fn address(&self) -> (&str, &str) {
+        (OFFSETS_TOPIC, "key")
+    }
+
+    async fn ensure_topic(&self) -> Result<()> {
+        Ok(())
+    }
+
+    async fn stored(&self) -> Result<Option<Lsn>> {
+        let world = self.0.lock().expect("the world");
+        Ok(world
+            .durable
+            .iter()
+            .rev()
+            .find(|(topic, _)| topic == OFFSETS_TOPIC)
+            .and_then(|(_, value)| offsets::decode(value.as_bytes())))
+    }
+}
+
+/// The history from the slot's confirmed position, as PostgreSQL streams it,
+/// leaving out what the sink said Kafka has; shuts down after `stop_after`
+/// changes if set.
+struct MemorySource {
+    world: Shared,
+    changes: std::collections::VecDeque<Change>,
+    confirmed: Lsn,
+    stop_after: Option<usize>,
+    shutdown: watch::Sender<bool>,
+}
+
+impl MemorySource {
+    fn new(
+        world: &Shared,
+        skip_before: Lsn,
+        stop_after: Option<usize>,
+        shutdown: watch::Sender<bool>,
+    ) -> Self {
+        let w = world.lock().expect("the world");
+        let mut changes = std::collections::VecDeque::new();
+        let mut rng = StdRng::seed_from_u64(w.confirmed.0);
+        for txn in w.history.iter().filter(|t| t.end > w.confirmed) {
+            // The commit record begins just before its end.
+            if Lsn(txn.end.0 - 10) < skip_before {
+                continue;
+            }
+            changes.push_back(Change::Begin);
+            changes.extend(txn.events.iter().map(|id| Change::Event(event(id))));
+            changes.push_back(Change::Commit {
+                end_lsn: txn.end,
+                commit_time_micros: 0,
+            });
+            if rng.random_bool(0.2) {
+                changes.push_back(Change::KeepAlive {
+                    wal_end: Lsn(txn.end.0 + 50),
+                });
+            }
+        }
+        let confirmed = w.confirmed;
+        drop(w);
+        MemorySource {
+            world: world.clone(),
+            changes,
+            confirmed,
+            stop_after,
+            shutdown,
+        }
+    }
+}
+
+impl Source for MemorySource {
+    async fn next(&mut self) -> Result<Change> {
+        loop {
+            if self.stop_after == Some(0) || self.changes.is_empty() {
+                let _ = self.shutdown.send(true);
+            }
+            self.stop_after = self.stop_after.map(|n| n.saturating_sub(1));
+            match self.changes.pop_front() {
+                Some(change) => return Ok(change),
+                None => tokio::task::yield_now().await,
+            }
+        }
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        let mut world = self.world.lock().expect("the world");
+        let durable = world.durable_events();
+        let missing: Vec<_> = world
+            .history
+            .iter()
+            .filter(|t| t.end <= lsn)
+            .flat_map(|t| &t.events)
+            .filter(|id| !durable.contains_key(*id))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            world
+                .violations
+                .push(format!("confirmed {lsn} while Kafka lacks {missing:?}"));
+        }
+        if lsn < self.confirmed {
+            world
+                .violations
+                .push(format!("confirmed {lsn} after {}", self.confirmed));
+        }
+        self.confirmed = lsn;
+        world.confirmed = world.confirmed.max(lsn);
+    }
+}
+
+/// Runs sessions over one random history until the slot has confirmed all
+/// of it; returns the world for the final checks.
+async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -> World {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let history = history(&mut rng);
+    let last = history.last().map_or(Lsn::ZERO, |t| t.end);
+    let world: Shared = Arc::new(Mutex::new(World {
+        rng: StdRng::seed_from_u64(seed ^ 0x5eed),
+        history,
+        exactly_once,
+        confirmed: Lsn::ZERO,
+        durable: Vec::new(),
+        kafka_txns: Vec::new(),
+        open: None,
+        pending: Vec::new(),
+        failure_rate,
+        violations: Vec::new(),
+    }));
+    let metrics = Metrics::new(0);
+    // Kafka acknowledges on its own time.
+    let broker = tokio::spawn({
+        let world = world.clone();
+        async move {
+            loop {
+                world.lock().expect("the world").deliver_some();
+                tokio::task::yield_now().await;
+            }
+        }
+    });
+    for session in 0.. {
+        assert!(session < 200, "seed {seed}: no progress after 200 sessions");
+        if world.lock().expect("the world").confirmed >= last {
+            break;
+        }
+        let out = Publisher::new(
+            MemoryKafka(world.clone()),
+            Arc::new(Router::new("t.{aggregate_type}")),
+            None,
+            HashSet::new(),
+            metrics.clone(),
+        );
+        // Small limits, so backpressure and buffering are exercised.
+        let (limit_events, limit_bytes) = (rng.random_range(1..8), rng.random_range(100..2000));
+        let stop_after = rng.random_bool(0.5).then(|| rng.random_range(0..60));
+        let (stop, mut shutdown) = watch::channel(false);
+        let outcome = if exactly_once {
+            let batching = Batching {
+                max_events: rng.random_range(1..10),
+                linger: Duration::ZERO,
+                max_in_flight_events: limit_events,
+                max_in_flight_bytes: limit_bytes,
+            };
+            let mut sink =
+                Transactional::new(out, MemoryOffsets(world.clone()), batching, metrics.clone());
+            let stored = sink.claim().await.expect("memory offsets");
+            let mut source =
+                MemorySource::new(&world, stored.unwrap_or(Lsn::ZERO), stop_after, stop);
+            if let Some(stored) = stored.filter(|s| *s > source.confirmed) {
+                source.confirm(stored);
+            }
+            let outcome = forward(
+                &mut source,
+                &mut sink,
+                &mut shutdown,
+                &metrics,
+                async |_| Ok(()),
+            )
+            .await;
+            if let Err(error) = &outcome {
+                sink.abandon(error).await;
+            }
+            outcome
+        } else {
+            let mut sink = AtLeastOnce::new(out, limit_events, limit_bytes, metrics.clone());
+            let mut source = MemorySource::new(&world, Lsn::ZERO, stop_after, stop);
+            forward(
+                &mut source,
+                &mut sink,
+                &mut shutdown,
+                &metrics,
+                async |_| Ok(()),
+            )
+            .await
+        };
+        let mut w = world.lock().expect("the world");
+        // What was still in flight is lost with the session.
+        w.pending.clear();
+        w.open = None;
+        drop(w);
+        if let Err(error) = outcome {
+            tracing::debug!(%error, session, "session failed");
+        }
+    }
+    broker.abort();
+    let _ = broker.await;
+    Arc::try_unwrap(world)
+        .ok()
+        .expect("sessions are over")
+        .into_inner()
+        .expect("the world")
+}
+
+fn check(seed: u64, world: &World) {
+    assert!(
+        world.violations.is_empty(),
+        "seed {seed}: {:?}",
+        world.violations
+    );
+    let seen = world.durable_events();
+    for id in world.history.iter().flat_map(|t| &t.events) {
+        let n = seen.get(id).copied().unwrap_or(0);
+        assert!(n >= 1, "seed {seed}: {id} lost");
+        if world.exactly_once {
+            assert_eq!(n, 1, "seed {seed}: {id} delivered {n} times");
+        }
+    }
+    if world.exactly_once {
+        // Each committed Kafka transaction ends with its offset record and
+        // holds whole PostgreSQL transactions, up to that offset.
+        let owner: HashMap<&str, Lsn> = world
+            .history
+            .iter()
+            .flat_map(|t| t.events.iter().map(move |e| (e.as_str(), t.end)))
+            .collect();
+        let mut previous = Lsn::ZERO;
+        for records in &world.kafka_txns {
+            let (topic, value) = records.last().expect("never empty");
+            assert_eq!(topic, OFFSETS_TOPIC, "seed {seed}: {records:?}");
+            let offset = offsets::decode(value.as_bytes()).expect("offset");
+            for (_, id) in &records[..records.len() - 1] {
+                let end = owner[id.as_str()];
+                assert!(
+                    end <= offset && end > previous,
+                    "seed {seed}: {id} of {end} in the transaction up to {offset}"
+                );
+            }
+            let whole: usize = world
+                .history
+                .iter()
+                .filter(|t| t.end > previous && t.end <= offset)
+                .map(|t| t.events.len())
+                .sum();
+            assert_eq!(
+                whole,
+                records.len() - 1,
+                "seed {seed}: a part of a transaction up to {offset}"
+            );
+            previous = offset;
+        }
+    }
+}
+
+async fn property(exactly_once: bool) {
+    for seed in 0..300 {
+        let failure_rate = [0, 5, 50][seed as usize % 3];
+        let world = run_until_confirmed(seed, exactly_once, failure_rate).await;
+        check(seed, &world);
+    }
+}
+
+#[tokio::test]
+async fn at_least_once_confirms_only_what_kafka_acknowledged_and_loses_nothing() {
+    property(false).await;
+}
+
+#[tokio::test]
+async fn exactly_once_confirms_only_committed_transactions_and_delivers_each_event_once() {
+    property(true).await;
+}

@@ -1,0 +1,194 @@
+//! Where events go: a [`Sink`] takes the [`crate::source::Change`]s of the
+//! source and answers one question, which position is confirmable now (see
+//! [`crate::ledger`] for the rule). Two sinks:
+//!
+//! - [`AtLeastOnce`]: an idempotent producer; a transaction is confirmable
+//!   when every one of its events has its delivery report, and so is every
+//!   transaction before it. A crash replays from the slot: events can repeat,
+//!   never go missing.
+//! - [`Transactional`] (exactly-once): whole PostgreSQL transactions go into
+//!   Kafka transactions with an offset record (see [`crate::offsets`]); one
+//!   commit is in flight at a time, and what arrives meanwhile is buffered
+//!   (bounded) and goes into the next.
+//!
+//! Both route events with the [`Router`] and send poison events (refused by
+//! routing or by Kafka for good) to the dead-letter topic, or halt on them
+//! when none is configured: never skipped silently.
+
+mod at_least_once;
+pub mod transactional;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+pub use at_least_once::AtLeastOnce;
+pub use transactional::Transactional;
+
+use crate::error::{Error, Result};
+use crate::event::OutboxEvent;
+use crate::ledger::Released;
+use crate::lsn::Lsn;
+use crate::metrics::Metrics;
+use crate::producer::Kafka;
+use crate::routing::{Route, Router};
+
+/// How long a sink's graceful shutdown waits for outstanding deliveries.
+pub const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The PostgreSQL epoch (2000-01-01) in microseconds since the Unix epoch.
+const PG_EPOCH_UNIX_MICROS: i64 = 946_684_800_000_000;
+/// A dead-lettered event keeps its payload up to this size.
+const DEAD_LETTER_MAX_PAYLOAD: usize = 512 * 1024;
+
+/// The Kafka side of the pipeline. Events arrive between a [`Sink::begin`]
+/// and a [`Sink::commit`], in commit order.
+#[allow(async_fn_in_trait)]
+pub trait Sink {
+    /// Setup before anything is sent (exactly-once: the offsets topic).
+    async fn prepare(&mut self) -> Result<()>;
+    /// Called once the slot is ours: fences older producers where that
+    /// matters and returns the position Kafka already holds, if it keeps one.
+    async fn claim(&mut self) -> Result<Option<Lsn>>;
+
+    fn begin(&mut self);
+    async fn event(&mut self, event: OutboxEvent) -> Result<()>;
+    /// `commit_time_micros` is none for the first-start catch-up.
+    async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()>;
+    fn keepalive(&mut self, wal_end: Lsn);
+
+    /// Whether the source may send more now (bounded memory).
+    fn has_room(&self) -> bool;
+    /// Whether a transaction's Begin arrived and its Commit not yet.
+    fn reading(&self) -> bool;
+    /// Something the sink waited for: a delivery report, a Kafka commit, a timer.
+    type Step;
+    /// Waits for the sink's next step; pending for ever when nothing is
+    /// under way. Cancel-safe: it only waits, [`Sink::apply`] acts.
+    async fn wait(&mut self) -> Result<Self::Step>;
+    async fn apply(&mut self, step: Self::Step) -> Result<()>;
+    /// The position to confirm to the source, when it moved.
+    fn confirmable(&mut self) -> Option<Lsn>;
+
+    /// Graceful end: delivers what can be delivered of complete transactions
+    /// and abandons a transaction still being read (it is replayed).
+    async fn finish(&mut self) -> Result<()>;
+    /// The session ends in `error`: leaves Kafka as clean as it can.
+    async fn abandon(&mut self, error: &Error);
+}
+
+/// Routes events and sends them or their dead letters.
+pub struct Publisher<K> {
+    pub kafka: K,
+    router: Arc<Router>,
+    dead_letter_topic: Option<String>,
+    /// Events Kafka refused at delivery in an earlier session.
+    poisoned: HashSet<String>,
+    metrics: Arc<Metrics>,
+}
+
+impl<K: Kafka> Publisher<K> {
+    pub fn new(
+        kafka: K,
+        router: Arc<Router>,
+        dead_letter_topic: Option<String>,
+        poisoned: HashSet<String>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Publisher {
+            kafka,
+            router,
+            dead_letter_topic,
+            poisoned,
+            metrics,
+        }
+    }
+
+    /// Sends `event` where it routes, or to the dead-letter topic when it is
+    /// poison. Returns its delivery and its size.
+    pub async fn publish(&mut self, event: OutboxEvent) -> Result<(K::Delivery, usize)> {
+        let size = event.size();
+        if self.poisoned.contains(&event.event_id) {
+            let delivery = self
+                .dead_letter(event, "kafka refused it at delivery".into(), None)
+                .await?;
+            return Ok((delivery, size));
+        }
+        let route = match self.router.route(&event) {
+            Ok(route) => route,
+            Err(e) => return Ok((self.dead_letter(event, e.to_string(), None).await?, size)),
+        };
+        crate::faults::check("before_produce");
+        let delivery = match self.kafka.send(&event, &route).await {
+            Ok(delivery) => delivery,
+            Err(Error::Poison { reason, .. }) => {
+                self.dead_letter(event, reason, Some(route.topic)).await?
+            }
+            Err(e) => return Err(e),
+        };
+        crate::faults::check("after_produce");
+        Ok((delivery, size))
+    }
+
+    /// A poison event: an error that halts the forwarder, or with a
+    /// dead-letter topic a record there with the reason in its headers.
+    async fn dead_letter(
+        &mut self,
+        mut event: OutboxEvent,
+        reason: String,
+        topic: Option<String>,
+    ) -> Result<K::Delivery> {
+        let Some(dead_letter_topic) = &self.dead_letter_topic else {
+            tracing::error!(event_id = %event.event_id, reason = %reason, "poison event; halting (configure a dead-letter topic to divert such events)");
+            return Err(Error::Poison {
+                event_id: event.event_id,
+                reason,
+            });
+        };
+        let mut headers = vec![
+            ("event_id".to_owned(), event.event_id.clone()),
+            ("event_type".to_owned(), event.event_type.clone()),
+            ("aggregate_type".to_owned(), event.aggregate_type.clone()),
+            ("aggregate_seq".to_owned(), event.aggregate_seq.to_string()),
+            ("dead_letter_reason".to_owned(), reason.clone()),
+        ];
+        if let Some(topic) = topic.or_else(|| event.topic.clone()) {
+            headers.push(("dead_letter_topic".to_owned(), topic));
+        }
+        if event.payload.len() > DEAD_LETTER_MAX_PAYLOAD {
+            // Too large for Kafka: the payload stays in outbox.events.
+            headers.push(("dead_letter_payload_dropped".to_owned(), "true".to_owned()));
+            event.payload = bytes::Bytes::new();
+        }
+        event.headers = None;
+        let route = Route {
+            topic: dead_letter_topic.clone(),
+            headers,
+            value: None,
+        };
+        let delivery = self.kafka.send(&event, &route).await?;
+        self.metrics.dead_lettered.inc();
+        tracing::warn!(event_id = %event.event_id, reason = %reason, topic = %dead_letter_topic, "poison event sent to the dead-letter topic");
+        Ok(delivery)
+    }
+}
+
+/// Counts a transaction that left the ledger in the forwarded totals and its
+/// commit-to-acknowledgement time. The first-start catch-up, which has no
+/// commit time, has a counter of its own.
+fn count_released(metrics: &Metrics, now_unix_micros: i64, released: Released) {
+    let Some(committed) = released.commit_time else {
+        return;
+    };
+    metrics.transactions.inc();
+    metrics.events.inc_by(released.events as u64);
+    metrics.bytes.inc_by(released.bytes as u64);
+    let micros = now_unix_micros - (committed + PG_EPOCH_UNIX_MICROS);
+    metrics
+        .end_to_end_seconds
+        .observe((micros.max(0) as f64) / 1e6);
+}
+
+fn unix_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}

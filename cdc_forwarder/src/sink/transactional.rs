@@ -1,0 +1,408 @@
+//! Exactly-once: whole PostgreSQL transactions go into Kafka transactions,
+//! each closed by an offset record (see [`crate::offsets`]), and a
+//! transaction is confirmable once the Kafka transaction holding its commit
+//! has committed.
+//!
+//! Commits never stall the source. One Kafka commit is in flight at a time;
+//! whatever arrives meanwhile is buffered (bounded by the in-flight limits)
+//! and goes into the next Kafka transaction as soon as the commit returns.
+//! A Kafka transaction is committed at the first PostgreSQL commit boundary
+//! where no other commit is in flight and either it holds `batch_max_events`
+//! or nothing complete waits behind it (after `batch_linger`, 0 by default).
+//! So under load the transactions grow to what arrives during one commit,
+//! and a lone event waits for one commit, not for a timer.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
+
+use super::at_least_once::Tagged;
+use super::{count_released, unix_micros, Publisher, Sink};
+use crate::error::{Error, Result};
+use crate::event::OutboxEvent;
+use crate::ledger::{Ledger, TxnId};
+use crate::lsn::Lsn;
+use crate::metrics::Metrics;
+use crate::offsets::{self, Offsets};
+use crate::producer::Kafka;
+
+/// When a Kafka transaction is committed and how much may wait.
+#[derive(Debug, Clone, Copy)]
+pub struct Batching {
+    /// A Kafka transaction is committed at the first boundary at or above this.
+    pub max_events: usize,
+    /// How long a complete Kafka transaction waits for more before its commit.
+    pub linger: Duration,
+    /// Events sent and not acknowledged, plus events buffered, at most.
+    pub max_in_flight_events: usize,
+    /// The same in bytes.
+    pub max_in_flight_bytes: usize,
+}
+
+/// The Kafka transaction being filled.
+struct Batch {
+    opened: Instant,
+    events: usize,
+    /// PostgreSQL transactions whose commit is in it.
+    complete: Vec<TxnId>,
+    /// Commit end of the last of them.
+    last_end: Option<Lsn>,
+}
+
+/// A Kafka commit in flight.
+struct Committing {
+    future: BoxFuture<'static, Result<()>>,
+    complete: Vec<TxnId>,
+    end: Lsn,
+    started: Instant,
+}
+
+/// What arrived while a commit was in flight. Events are kept inline: boxing
+/// them would cost an allocation per event.
+#[allow(clippy::large_enum_variant)]
+enum Item {
+    Event(TxnId, OutboxEvent),
+    Commit(TxnId, Lsn),
+}
+
+/// What [`Sink::wait`] found.
+pub enum Step {
+    Delivered(TxnId, usize, Result<()>),
+    Committed(Result<()>),
+    Lingered,
+}
+
+pub struct Transactional<K: Kafka, O> {
+    out: Publisher<K>,
+    offsets: O,
+    batching: Batching,
+    metrics: Arc<Metrics>,
+    ledger: Ledger,
+    reading: Option<TxnId>,
+    initialized: bool,
+    /// The offset Kafka holds.
+    stored: Lsn,
+    batch: Option<Batch>,
+    committing: Option<Committing>,
+    /// Empty whenever no commit is in flight.
+    buffer: VecDeque<Item>,
+    buffered_bytes: usize,
+    buffered_commits: usize,
+    reports: FuturesUnordered<Tagged<K::Delivery>>,
+    /// Bytes of events sent and not acknowledged.
+    in_flight_bytes: usize,
+}
+
+impl<K: Kafka, O: Offsets> Transactional<K, O> {
+    pub fn new(out: Publisher<K>, offsets: O, batching: Batching, metrics: Arc<Metrics>) -> Self {
+        Transactional {
+            out,
+            offsets,
+            batching,
+            metrics,
+            ledger: Ledger::default(),
+            reading: None,
+            initialized: false,
+            stored: Lsn::ZERO,
+            batch: None,
+            committing: None,
+            buffer: VecDeque::new(),
+            buffered_bytes: 0,
+            buffered_commits: 0,
+            reports: FuturesUnordered::new(),
+            in_flight_bytes: 0,
+        }
+    }
+
+    /// Registers the transactional id, fencing older producers of it.
+    async fn initialize(&mut self) -> Result<()> {
+        if !self.initialized {
+            self.out.kafka.init_transactions().await?;
+            self.initialized = true;
+        }
+        Ok(())
+    }
+
+    async fn send(&mut self, txn: TxnId, event: OutboxEvent) -> Result<()> {
+        if self.batch.is_none() {
+            self.initialize().await?;
+            self.out.kafka.begin_transaction().await?;
+            self.batch = Some(Batch {
+                opened: Instant::now(),
+                events: 0,
+                complete: Vec::new(),
+                last_end: None,
+            });
+        }
+        let (delivery, size) = self.out.publish(event).await?;
+        self.ledger.event(txn, size);
+        self.in_flight_bytes += size;
+        self.reports.push(Tagged {
+            delivery,
+            txn,
+            size,
+        });
+        if let Some(batch) = &mut self.batch {
+            batch.events += 1;
+        }
+        Ok(())
+    }
+
+    /// A PostgreSQL commit reached the Kafka side.
+    fn close(&mut self, txn: TxnId, end: Lsn) {
+        match &mut self.batch {
+            Some(batch) => {
+                batch.complete.push(txn);
+                batch.last_end = Some(end);
+            }
+            // No event of it waits in Kafka.
+            None => self.ledger.unhold(txn),
+        }
+    }
+
+    /// Whether the Kafka transaction, at a commit boundary, is to be
+    /// committed now.
+    fn due(&self) -> bool {
+        let Some(batch) = &self.batch else {
+            return false;
+        };
+        self.committing.is_none()
+            && batch.last_end.is_some()
+            && (batch.events >= self.batching.max_events
+                || (self.buffered_commits == 0 && batch.opened.elapsed() >= self.batching.linger))
+    }
+
+    /// Closes the Kafka transaction with its offset record and starts the commit.
+    async fn start_commit(&mut self) -> Result<()> {
+        let Some(batch) = self.batch.take() else {
+            return Ok(());
+        };
+        let Some(end) = batch.last_end else {
+            self.batch = Some(batch);
+            return Ok(());
+        };
+        // Its delivery is the commit's: dropping the report loses nothing.
+        let (topic, key) = self.offsets.address();
+        let _offset = self
+            .out
+            .kafka
+            .send_raw(topic, key, &offsets::encode(end))
+            .await?;
+        self.committing = Some(Committing {
+            future: self.out.kafka.commit_transaction(),
+            complete: batch.complete,
+            end,
+            started: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// The commit in flight returned.
+    async fn committed(&mut self, result: Result<()>) -> Result<()> {
+        let Some(committing) = self.committing.take() else {
+            return Ok(());
+        };
+        if let Err(error) = result {
+            // A record Kafka refused for good says more than the commit.
+            while let Some(Some((_, _, report))) = self.reports.next().now_or_never() {
+                if let Err(poison @ Error::Poison { .. }) = report {
+                    return Err(poison);
+                }
+            }
+            return Err(error);
+        }
+        self.metrics
+            .kafka_commit_seconds
+            .observe(committing.started.elapsed().as_secs_f64());
+        self.metrics.kafka_commits.inc();
+        crate::faults::check("after_kafka_commit");
+        self.stored = committing.end;
+        for txn in committing.complete {
+            self.ledger.unhold(txn);
+        }
+        // What arrived meanwhile goes into the next Kafka transaction, up to
+        // a boundary where that one is due.
+        while let Some(item) = self.buffer.pop_front() {
+            match item {
+                Item::Event(txn, event) => {
+                    self.buffered_bytes -= event.size();
+                    self.send(txn, event).await?;
+                }
+                Item::Commit(txn, end) => {
+                    self.buffered_commits -= 1;
+                    self.close(txn, end);
+                    if self.due() {
+                        return self.start_commit().await;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A Kafka transaction holding only the offset record, so Kafka knows
+    /// `position` even when no event moved it there.
+    async fn store_position(&mut self, position: Lsn) -> Result<()> {
+        self.initialize().await?;
+        self.out.kafka.begin_transaction().await?;
+        let (topic, key) = self.offsets.address();
+        let _offset = self
+            .out
+            .kafka
+            .send_raw(topic, key, &offsets::encode(position))
+            .await?;
+        self.out.kafka.commit_transaction().await?;
+        self.stored = position;
+        Ok(())
+    }
+}
+
+impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
+    type Step = Step;
+
+    async fn prepare(&mut self) -> Result<()> {
+        self.offsets.ensure_topic().await
+    }
+
+    async fn claim(&mut self) -> Result<Option<Lsn>> {
+        self.initialize().await?;
+        let stored = self.offsets.stored().await?;
+        if let Some(stored) = stored {
+            self.stored = self.stored.max(stored);
+            if self.ledger.is_settled() {
+                self.ledger = Ledger::starting_at(self.ledger.confirmed().max(stored));
+            }
+        }
+        Ok(stored)
+    }
+
+    fn begin(&mut self) {
+        let txn = self.ledger.begin();
+        self.ledger.hold(txn);
+        self.reading = Some(txn);
+    }
+
+    async fn event(&mut self, event: OutboxEvent) -> Result<()> {
+        let txn = self.reading.expect("an event outside a transaction");
+        if self.committing.is_some() {
+            self.buffered_bytes += event.size();
+            self.buffer.push_back(Item::Event(txn, event));
+            return Ok(());
+        }
+        self.send(txn, event).await
+    }
+
+    async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()> {
+        let Some(txn) = self.reading.take() else {
+            return Ok(());
+        };
+        self.ledger.commit(txn, end_lsn, commit_time_micros);
+        if self.committing.is_some() {
+            self.buffered_commits += 1;
+            self.buffer.push_back(Item::Commit(txn, end_lsn));
+            return Ok(());
+        }
+        self.close(txn, end_lsn);
+        if self.due() {
+            self.start_commit().await?;
+        }
+        Ok(())
+    }
+
+    fn keepalive(&mut self, wal_end: Lsn) {
+        self.ledger.keepalive(wal_end);
+    }
+
+    fn has_room(&self) -> bool {
+        self.reports.len() + self.buffer.len() < self.batching.max_in_flight_events
+            && self.in_flight_bytes + self.buffered_bytes < self.batching.max_in_flight_bytes
+    }
+
+    fn reading(&self) -> bool {
+        self.reading.is_some()
+    }
+
+    async fn wait(&mut self) -> Result<Step> {
+        // A complete Kafka transaction waiting out its linger, with nothing
+        // of a later PostgreSQL transaction in it yet.
+        let linger = match (&self.batch, &self.committing, self.reading) {
+            (Some(batch), None, None) if batch.last_end.is_some() => {
+                Some(batch.opened + self.batching.linger)
+            }
+            _ => None,
+        };
+        let reports = &mut self.reports;
+        let committing = &mut self.committing;
+        tokio::select! {
+            biased;
+            Some((txn, size, result)) = reports.next(), if !reports.is_empty() => {
+                Ok(Step::Delivered(txn, size, result))
+            }
+            result = async { committing.as_mut().expect("checked").future.as_mut().await }, if committing.is_some() => {
+                Ok(Step::Committed(result))
+            }
+            () = async { tokio::time::sleep_until(linger.expect("checked").into()).await }, if linger.is_some() => {
+                Ok(Step::Lingered)
+            }
+            else => std::future::pending().await,
+        }
+    }
+
+    async fn apply(&mut self, step: Step) -> Result<()> {
+        match step {
+            Step::Delivered(_, size, result) => {
+                self.in_flight_bytes -= size;
+                result
+            }
+            Step::Committed(result) => self.committed(result).await,
+            Step::Lingered if self.due() && self.reading.is_none() => self.start_commit().await,
+            Step::Lingered => Ok(()),
+        }
+    }
+
+    fn confirmable(&mut self) -> Option<Lsn> {
+        let now = unix_micros();
+        let metrics = &self.metrics;
+        self.ledger.confirm(|r| count_released(metrics, now, r))
+    }
+
+    async fn finish(&mut self) -> Result<()> {
+        loop {
+            if let Some(committing) = &mut self.committing {
+                let result = committing.future.as_mut().await;
+                self.committed(result).await?;
+            } else if self.reading.is_none()
+                && self.batch.as_ref().is_some_and(|b| b.last_end.is_some())
+            {
+                self.start_commit().await?;
+            } else {
+                break;
+            }
+        }
+        while let Some(Some((_, size, result))) = self.reports.next().now_or_never() {
+            self.in_flight_bytes -= size;
+            result?;
+        }
+        if self.batch.take().is_some() {
+            // A PostgreSQL transaction is half sent: abort, it is replayed.
+            self.out.kafka.abort_transaction().await?;
+            return Ok(());
+        }
+        let position = self.ledger.position();
+        if !self.ledger.reading() && position > self.stored {
+            self.store_position(position).await?;
+        }
+        Ok(())
+    }
+
+    async fn abandon(&mut self, _error: &Error) {
+        if self.batch.is_some() && self.committing.is_none() {
+            // Best effort: the next session's fencing aborts it anyway.
+            let _best_effort = self.out.kafka.abort_transaction().await;
+        }
+    }
+}
