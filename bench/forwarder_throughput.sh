@@ -1,47 +1,116 @@
 #!/usr/bin/env bash
 # Forwarder throughput on a backlog, beside the raw decoding rate of the same
-# kind of slot (pg_recvlogical, pgoutput, to /dev/null), in one run.
-#   bench/forwarder_throughput.sh [EVENTS] [EVENTS_PER_TXN]
-# Defaults: 1,000,000 events in transactions of 100, payloads of about 330 bytes.
-# Prints events/s of each, the ratios to the raw rate, and the forwarder's peak RSS.
+# kind of slot (pg_recvlogical, pgoutput, to /dev/null), in one run, for
+# several transaction shapes.
+#
+#   bench/forwarder_throughput.sh [--shapes "EVENTSxPER_TXN ..."] [--rounds N]
+#                                 [--tls] [--baseline GIT_REV]
+#
+# Default shapes: 1000000x100 100000x1 1000000x10000 (events x events per
+# transaction); payloads of about 330 bytes. Each round writes each shape's
+# backlog once, with a slot per contender created before it, then drains
+# every slot in turn: time from the slot turning active to its confirmed
+# position reaching the backlog's end.
+# Prints per contender: events/s, ratio to pg_recvlogical, CPU seconds per
+# million events of the contender and of its walsender, and peak RSS; with
+# several rounds, the median of each figure.
+# --tls: every contender connects with sslmode=require (default: disable).
+# --baseline REV: also runs the forwarder built from REV (a worktree under
+# target/), so a change is measured with and without it in the same run.
 set -euo pipefail
 . "$(dirname "$0")/../scripts/env.sh"
 cd "$ROOT"
-EVENTS=${1:-1000000}
-PER_TXN=${2:-100}
-TXNS=$(( EVENTS / PER_TXN ))
+SHAPES="1000000x100 100000x1 1000000x10000"
+ROUNDS=1
+SSLMODE=disable
+BASELINE=
+while [ $# -gt 0 ]; do
+    case $1 in
+        --shapes) SHAPES=$2; shift 2 ;;
+        --rounds) ROUNDS=$2; shift 2 ;;
+        --tls) SSLMODE=require; shift ;;
+        --baseline) BASELINE=$2; shift 2 ;;
+        *) die "unknown argument $1 (see the header of $0)" ;;
+    esac
+done
 
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 cargo build -q --release -p cdc_forwarder
-FWD=$ROOT/target/release/outbox-forwarder
+. "$ROOT/bench/harness.sh"
+forwarder_contenders "$BASELINE"
+CONTENDERS="raw $CONTENDERS"
+
 DB=bench_tp
-psql_admin() { PGPASSWORD=$PG_SUPERUSER_PASSWORD psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
-fwd_url="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/$DB"
+CLK_TCK=$(getconf CLK_TCK)
+fwd_url="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/$DB?sslmode=$SSLMODE"
 run_id=$(date +%s)
+now() { date +%s.%N; }
+# CPU seconds of a process so far (user + system).
+cpu_of() { awk -v t="$CLK_TCK" '{printf "%.3f", ($14 + $15) / t}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+slot_of() { echo "bench_${1//-/_}"; }
+mode_of() { echo "${1#base-}"; }
 
-say "fresh database $DB"
-psql_admin -d postgres >/dev/null <<SQL
-SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'bench\_%';
-DROP DATABASE IF EXISTS $DB WITH (FORCE);
-CREATE DATABASE $DB;
-SQL
-psql_admin -d $DB -c "CREATE EXTENSION pg_outbox" >/dev/null
-psql_admin -d $DB -c "SELECT outbox.ensure_publication('pg_outbox')" >/dev/null
-psql_admin -d $DB -c "SELECT pg_create_logical_replication_slot('bench_raw', 'pgoutput')" >/dev/null
-
-# The forwarder creates its slots (and finishes its empty catch-up) before the backlog.
-for mode in at-least-once exactly-once; do
-    slot=bench_${mode//-/_}
-    "$FWD" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
-        --delivery "$mode" --topic-template "bench-$run_id-$slot.{aggregate_type}" 2>/dev/null &
+# One contender's drain of its slot. Sets RATE CPU WCPU RSS.
+drain() {
+    local who=$1 events=$2 end_lsn=$3 slot pid wpid="" wcpu=0 t0 t1
+    slot=$(slot_of "$who")
+    if [ "$who" = raw ]; then
+        PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=$SSLMODE /usr/bin/time -f '%U %S %M' -o /tmp/bench-raw.time \
+            pg_recvlogical -h 127.0.0.1 -p "$PG_PORT" -U postgres -d $DB --slot "$slot" --start \
+            -o proto_version=1 -o publication_names=pg_outbox -E "$end_lsn" -f /dev/null --no-loop &
+    else
+        "${BIN[$who]}" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
+            --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$slot.{aggregate_type}" 2>/tmp/bench-$slot.log &
+    fi
     pid=$!
-    until [ "$(psql_admin -d $DB -c "SELECT count(*) FROM outbox.relay_progress WHERE slot_name = '$slot' AND caught_up_at IS NOT NULL")" = 1 ]; do sleep 0.1; done
-    kill -TERM $pid; wait $pid || true
-done
+    until wpid=$(psql_admin -d $DB -c "SELECT active_pid FROM pg_replication_slots WHERE slot_name = '$slot'") && [ -n "$wpid" ]; do
+        kill -0 $pid 2>/dev/null || die "$who exited before streaming: $(tail -3 /tmp/bench-$slot.log 2>/dev/null)"
+        sleep 0.02
+    done
+    TLS_IN_USE=$(psql_admin -d $DB -c "SELECT coalesce(bool_or(ssl)::text, '?') FROM pg_stat_ssl WHERE pid = $wpid")
+    t0=$(now)
+    # pg_recvlogical stops by itself at the end; a forwarder when its slot
+    # has confirmed the end.
+    while if [ "$who" = raw ]; then kill -0 $pid 2>/dev/null
+          else [ "$(psql_admin -d $DB -c "SELECT confirmed_flush_lsn < '$end_lsn' FROM pg_replication_slots WHERE slot_name = '$slot'")" = t ]; fi; do
+        [ "$who" = raw ] || kill -0 $pid 2>/dev/null || die "$who exited: $(tail -3 /tmp/bench-$slot.log)"
+        wcpu=$(cpu_of "$wpid")
+        sleep 0.05
+    done
+    t1=$(now)
+    RATE=$(echo "scale=0; $events / ($t1 - $t0)" | bc)
+    WCPU=$wcpu
+    if [ "$who" = raw ]; then
+        wait $pid || true
+        read -r u s kb < /tmp/bench-raw.time
+        CPU=$(echo "$u + $s" | bc); RSS=$(( kb / 1024 ))
+    else
+        CPU=$(cpu_of $pid); RSS=$(awk '/VmHWM/ {print int($2/1024)}' /proc/$pid/status)
+        kill -TERM $pid; wait $pid || true
+    fi
+}
 
-say "backlog: $EVENTS events in $TXNS transactions of $PER_TXN"
-started=$(date +%s.%N)
-psql_admin -d $DB >/dev/null <<SQL
+declare -A rate cpu wcpu rss
+for round in $(seq 1 "$ROUNDS"); do
+  for shape in $SHAPES; do
+    EVENTS=${shape%x*}; PER_TXN=${shape#*x}; TXNS=$(( EVENTS / PER_TXN ))
+    say "round $round, $shape: fresh database $DB, a slot per contender"
+    bench_database $DB --create
+    psql_admin -d $DB -c "SELECT outbox.ensure_publication('pg_outbox')" >/dev/null
+    psql_admin -d $DB -c "SELECT pg_create_logical_replication_slot('$(slot_of raw)', 'pgoutput')" >/dev/null
+    # The forwarders create their slots (and finish their empty catch-up) before the backlog.
+    for who in $CONTENDERS; do
+        [ "$who" = raw ] && continue
+        slot=$(slot_of "$who")
+        "${BIN[$who]}" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
+            --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$slot.{aggregate_type}" 2>/dev/null &
+        pid=$!
+        until [ "$(psql_admin -d $DB -c "SELECT count(*) FROM outbox.relay_progress WHERE slot_name = '$slot' AND caught_up_at IS NOT NULL")" = 1 ]; do sleep 0.1; done
+        kill -TERM $pid; wait $pid || true
+    done
+
+    say "backlog: $EVENTS events in $TXNS transactions of $PER_TXN"
+    psql_admin -d $DB >/dev/null <<SQL
 DO \$\$
 BEGIN
     FOR t IN 1..$TXNS LOOP
@@ -53,45 +122,33 @@ BEGIN
 END
 \$\$;
 SQL
-end_lsn=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
-say "backlog written in $(printf '%.0f' "$(echo "$(date +%s.%N) - $started" | bc)") s, ends at $end_lsn"
-
-now() { date +%s.%N; }
-rate() { echo "scale=0; $EVENTS / ($2 - $1)" | bc; }
-
-say "raw decode: pg_recvlogical"
-t0=$(now)
-PGPASSWORD=$PG_SUPERUSER_PASSWORD pg_recvlogical -h 127.0.0.1 -p "$PG_PORT" -U postgres -d $DB --slot bench_raw --start \
-    -o proto_version=1 -o publication_names=pg_outbox -E "$end_lsn" -f /dev/null --no-loop
-t1=$(now)
-raw=$(rate "$t0" "$t1")
-
-declare -A fwd_rate fwd_rss
-for mode in at-least-once exactly-once; do
-    slot=bench_${mode//-/_}
-    say "forwarder, $mode"
-    t0=$(now)
-    "$FWD" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
-        --delivery "$mode" --topic-template "bench-$run_id-$slot.{aggregate_type}" 2>/tmp/bench-$slot.log &
-    pid=$!
-    until [ "$(psql_admin -d $DB -c "SELECT confirmed_flush_lsn >= '$end_lsn' FROM pg_replication_slots WHERE slot_name = '$slot'")" = t ]; do
-        kill -0 $pid 2>/dev/null || { tail -5 /tmp/bench-$slot.log; die "forwarder exited"; }
-        sleep 0.05
+    end_lsn=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
+    for who in $CONTENDERS; do
+        say "$shape: $who"
+        drain "$who" "$EVENTS" "$end_lsn"
+        key="$shape $who"
+        rate[$key]="${rate[$key]:-} $RATE"
+        cpu[$key]="${cpu[$key]:-} $(echo "scale=2; $CPU * 1000000 / $EVENTS" | bc)"
+        wcpu[$key]="${wcpu[$key]:-} $(echo "scale=2; $WCPU * 1000000 / $EVENTS" | bc)"
+        rss[$key]="${rss[$key]:-} $RSS"
+        transport=$TLS_IN_USE
     done
-    t1=$(now)
-    fwd_rss[$mode]=$(awk '/VmHWM/ {print int($2/1024)}' /proc/$pid/status)
-    kill -TERM $pid; wait $pid || true
-    fwd_rate[$mode]=$(rate "$t0" "$t1")
+  done
 done
 
-psql_admin -d postgres >/dev/null <<SQL
-SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'bench\_%';
-DROP DATABASE IF EXISTS $DB WITH (FORCE);
-SQL
+bench_database $DB
 
-printf '\n%-34s %12s %8s %12s\n' "$EVENTS events, $PER_TXN per transaction" "events/s" "ratio" "peak RSS"
-printf '%-34s %12s %8s %12s\n' "pg_recvlogical (raw decode)" "$raw" "1.00" "-"
-for mode in at-least-once exactly-once; do
-    printf '%-34s %12s %8s %9s MB\n' "outbox-forwarder $mode" "${fwd_rate[$mode]}" \
-        "$(echo "scale=2; ${fwd_rate[$mode]} / $raw" | bc)" "${fwd_rss[$mode]}"
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'; }
+printf '\nforwarder at %s; %s round(s), medians; replication over TLS: %s (sslmode=%s)\n' "$MEASURED" "$ROUNDS" "$transport" "$SSLMODE"
+for shape in $SHAPES; do
+    raw=$(echo "${rate[$shape raw]}" | median)
+    alo=$(echo "${rate[$shape at-least-once]}" | median)
+    printf '\n%-30s %10s %8s %8s %12s %12s %8s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "RSS MB"
+    for who in $CONTENDERS; do
+        r=$(echo "${rate[$shape $who]}" | median)
+        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s\n' "$who" "$r" \
+            "$(echo "scale=3; $r / $raw" | bc)" "$(echo "scale=3; $r / $alo" | bc)" \
+            "$(echo "${cpu[$shape $who]}" | median)" "$(echo "${wcpu[$shape $who]}" | median)" \
+            "$(echo "${rss[$shape $who]}" | median)"
+    done
 done

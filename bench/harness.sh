@@ -1,0 +1,44 @@
+# Sourced by the forwarder benches.
+
+psql_admin() { PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=disable psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
+
+# Drops the benches' slots and database DB; with --create, makes DB anew with
+# the extension in it.
+#   bench_database DB [--create]
+bench_database() {
+    psql_admin -d postgres >/dev/null <<SQL
+SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name LIKE 'bench\_%';
+DROP DATABASE IF EXISTS $1 WITH (FORCE);
+SQL
+    if [ "${2:-}" = --create ]; then
+        psql_admin -d postgres -c "CREATE DATABASE $1" >/dev/null
+        psql_admin -d "$1" -c "CREATE EXTENSION pg_outbox" >/dev/null
+    fi
+}
+
+# The forwarders to measure. Sets BIN
+# (contender -> binary), CONTENDERS (at-least-once exactly-once, plus
+# base-at-least-once base-exactly-once with a baseline) and MEASURED (the
+# commit measured). A baseline is the forwarder built from another git
+# revision in a worktree under target/, so that a change is measured with
+# and without it in the same run.
+#   forwarder_contenders [BASELINE_REV]
+declare -A BIN
+forwarder_contenders() {
+    local fwd=$ROOT/target/release/outbox-forwarder rev tree
+    BIN=([at-least-once]=$fwd [exactly-once]=$fwd)
+    CONTENDERS="at-least-once exactly-once"
+    if [ -n "${1:-}" ]; then
+        rev=$(git rev-parse --short "$1")
+        tree=$ROOT/target/baseline-$rev
+        if [ ! -x "$tree/target/release/outbox-forwarder" ]; then
+            say "building the baseline forwarder at $rev"
+            [ -d "$tree" ] || git worktree add --detach "$tree" "$rev" >/dev/null
+            (cd "$tree" && cargo build -q --release -p cdc_forwarder)
+        fi
+        BIN[base-at-least-once]=$tree/target/release/outbox-forwarder
+        BIN[base-exactly-once]=$tree/target/release/outbox-forwarder
+        CONTENDERS="$CONTENDERS base-at-least-once base-exactly-once"
+    fi
+    MEASURED="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- cdc_forwarder || echo '+changes')"
+}
