@@ -4,7 +4,8 @@
 #
 #   bench/forwarder_latency.sh [--rate N] [--seconds S] [--baseline GIT_REV]
 #
-# Defaults: 1,000 transactions per second for 45 s. Topics use
+# Defaults: 1,000 transactions per second for 45 s, the first 5 s left out
+# of the figures (new topic, leaders, group join). Topics use
 # message.timestamp.type=LogAppendTime. Printed in milliseconds:
 # - append: Kafka's append time minus the database clock in the payload
 #   (in exactly-once mode this comes before the Kafka commit);

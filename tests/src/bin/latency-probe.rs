@@ -1,14 +1,16 @@
 //! Commit-to-Kafka latency at a fixed rate, for `bench/forwarder_latency.sh`.
 //!
-//! latency-probe PGURL BOOTSTRAP TOPIC RATE SECONDS
+//! latency-probe PGURL BOOTSTRAP TOPIC RATE SECONDS [WARMUP_SECONDS]
 //!
 //! Creates TOPIC with `message.timestamp.type=LogAppendTime`, emits RATE
 //! single-event transactions per second for SECONDS (aggregate type `lat`),
 //! each payload carrying the database clock at emit, and reads TOPIC with a
 //! `read_committed` consumer. Prints one line: events sent and received, and
 //! p50/p99/max in milliseconds of (Kafka append time - emit clock) and
-//! (consumer receive time - emit clock). A forwarder must route aggregate
-//! type `lat` to TOPIC.
+//! (consumer receive time - emit clock), leaving out the events of the first
+//! WARMUP_SECONDS (default 5: a new topic's metadata, partition leaders and
+//! the consumer's group join). A forwarder must route aggregate type `lat`
+//! to TOPIC.
 
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,7 +62,8 @@ async fn main() -> ExitCode {
         eprintln!("usage: latency-probe PGURL BOOTSTRAP TOPIC RATE SECONDS");
         return ExitCode::from(2);
     };
-    match probe(pg_url, bootstrap, topic, rate.max(1), seconds).await {
+    let warmup = args.get(5).and_then(|w| w.parse().ok()).unwrap_or(5);
+    match probe(pg_url, bootstrap, topic, rate.max(1), seconds, warmup).await {
         Ok(line) => {
             println!("{line}");
             ExitCode::SUCCESS
@@ -78,7 +81,9 @@ async fn probe(
     topic: &str,
     rate: u32,
     seconds: u64,
+    warmup: u64,
 ) -> Result<String, String> {
+    let measured_from = now_micros() + i64::try_from(warmup).unwrap_or(0) * 1_000_000;
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .create()
@@ -133,6 +138,7 @@ async fn probe(
 
     let mut append = Vec::new();
     let mut receive = Vec::new();
+    let mut received = 0u64;
     let mut writing = true;
     let mut deadline = Instant::now() + Duration::from_secs(seconds + 30);
     loop {
@@ -140,7 +146,7 @@ async fn probe(
             writing = false;
             deadline = Instant::now() + Duration::from_secs(30);
         }
-        if !writing && receive.len() as u64 >= sent.load(Ordering::Relaxed) {
+        if !writing && received >= sent.load(Ordering::Relaxed) {
             break;
         }
         if Instant::now() > deadline {
@@ -152,7 +158,8 @@ async fn probe(
             Ok(Err(e)) => return Err(e.to_string()),
             Err(_) => continue,
         };
-        let received = now_micros();
+        let arrived = now_micros();
+        received += 1;
         let Some(clock) = message
             .payload()
             .and_then(|p| serde_json::from_slice::<serde_json::Value>(p).ok())
@@ -160,7 +167,10 @@ async fn probe(
         else {
             continue;
         };
-        receive.push(received - clock);
+        if clock < measured_from {
+            continue;
+        }
+        receive.push(arrived - clock);
         if let Some(ms) = message.timestamp().to_millis() {
             append.push(ms * 1000 - clock);
         }
@@ -172,8 +182,9 @@ async fn probe(
             .map_err(|e| e.to_string())?;
     }
     Ok(format!(
-        "sent {} received {} | append {} | receive {}",
+        "sent {} received {} measured {} | append {} | receive {}",
         sent.load(Ordering::Relaxed),
+        received,
         receive.len(),
         summary(append),
         summary(receive)
