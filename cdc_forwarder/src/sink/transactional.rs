@@ -185,13 +185,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             self.batch = Some(batch);
             return Ok(());
         };
-        // Its delivery is the commit's: dropping the report loses nothing.
-        let (topic, key) = self.offsets.address();
-        let _offset = self
-            .out
-            .kafka
-            .send_raw(topic, key, &offsets::encode(end))
-            .await?;
+        self.send_offset(end).await?;
         self.committing = Some(Committing {
             future: self.out.kafka.commit_transaction(),
             complete: batch.complete,
@@ -244,17 +238,24 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         Ok(())
     }
 
+    /// Adds the offset record of `position` to the open Kafka transaction.
+    /// Its delivery is the commit's: dropping the report loses nothing.
+    async fn send_offset(&self, position: Lsn) -> Result<()> {
+        let (topic, key) = self.offsets.address();
+        let _report = self
+            .out
+            .kafka
+            .send_raw(topic, key, &offsets::encode(position))
+            .await?;
+        Ok(())
+    }
+
     /// A Kafka transaction holding only the offset record, so Kafka knows
     /// `position` even when no event moved it there.
     async fn store_position(&mut self, position: Lsn) -> Result<()> {
         self.initialize().await?;
         self.out.kafka.begin_transaction().await?;
-        let (topic, key) = self.offsets.address();
-        let _offset = self
-            .out
-            .kafka
-            .send_raw(topic, key, &offsets::encode(position))
-            .await?;
+        self.send_offset(position).await?;
         self.out.kafka.commit_transaction().await?;
         self.stored = position;
         Ok(())
