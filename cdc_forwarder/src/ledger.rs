@@ -115,6 +115,11 @@ impl Ledger {
         self.keepalive = self.keepalive.max(wal_end);
     }
 
+    /// The transaction whose Begin was read and whose Commit not yet.
+    pub fn current(&self) -> Option<TxnId> {
+        self.reading
+    }
+
     /// Whether a transaction's Begin was read and its Commit not yet.
     pub fn reading(&self) -> bool {
         self.reading.is_some()

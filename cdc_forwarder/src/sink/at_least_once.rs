@@ -21,7 +21,6 @@ const POISON_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct AtLeastOnce<K: Kafka> {
     out: Publisher<K>,
     ledger: Ledger,
-    reading: Option<TxnId>,
     reports: FuturesUnordered<Tagged<K::Delivery>>,
     /// Bytes of events whose report has not arrived.
     in_flight_bytes: usize,
@@ -40,7 +39,6 @@ impl<K: Kafka> AtLeastOnce<K> {
         AtLeastOnce {
             out,
             ledger: Ledger::default(),
-            reading: None,
             reports: FuturesUnordered::new(),
             in_flight_bytes: 0,
             max_events,
@@ -67,11 +65,14 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
     }
 
     fn begin(&mut self) {
-        self.reading = Some(self.ledger.begin());
+        self.ledger.begin();
     }
 
     async fn event(&mut self, event: OutboxEvent) -> Result<()> {
-        let txn = self.reading.expect("an event outside a transaction");
+        let txn = self
+            .ledger
+            .current()
+            .expect("an event outside a transaction");
         let (delivery, size) = self.out.publish(event).await?;
         self.ledger.event(txn, size);
         self.ledger.hold(txn);
@@ -85,7 +86,7 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
     }
 
     async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()> {
-        if let Some(txn) = self.reading.take() {
+        if let Some(txn) = self.ledger.current() {
             self.ledger.commit(txn, end_lsn, commit_time_micros);
         }
         Ok(())
@@ -100,7 +101,7 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
     }
 
     fn reading(&self) -> bool {
-        self.reading.is_some()
+        self.ledger.reading()
     }
 
     type Step = (TxnId, usize, Result<()>);

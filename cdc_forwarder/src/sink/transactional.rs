@@ -82,7 +82,6 @@ pub struct Transactional<K: Kafka, O> {
     batching: Batching,
     metrics: Arc<Metrics>,
     ledger: Ledger,
-    reading: Option<TxnId>,
     initialized: bool,
     /// The offset Kafka holds.
     stored: Lsn,
@@ -105,7 +104,6 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             batching,
             metrics,
             ledger: Ledger::default(),
-            reading: None,
             initialized: false,
             stored: Lsn::ZERO,
             batch: None,
@@ -284,11 +282,13 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     fn begin(&mut self) {
         let txn = self.ledger.begin();
         self.ledger.hold(txn);
-        self.reading = Some(txn);
     }
 
     async fn event(&mut self, event: OutboxEvent) -> Result<()> {
-        let txn = self.reading.expect("an event outside a transaction");
+        let txn = self
+            .ledger
+            .current()
+            .expect("an event outside a transaction");
         if self.committing.is_some() {
             self.buffered_bytes += event.size();
             self.buffer.push_back(Item::Event(txn, event));
@@ -298,7 +298,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     }
 
     async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()> {
-        let Some(txn) = self.reading.take() else {
+        let Some(txn) = self.ledger.current() else {
             return Ok(());
         };
         self.ledger.commit(txn, end_lsn, commit_time_micros);
@@ -324,13 +324,13 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     }
 
     fn reading(&self) -> bool {
-        self.reading.is_some()
+        self.ledger.reading()
     }
 
     async fn wait(&mut self) -> Result<Step> {
         // A complete Kafka transaction waiting out its linger, with nothing
         // of a later PostgreSQL transaction in it yet.
-        let linger = match (&self.batch, &self.committing, self.reading) {
+        let linger = match (&self.batch, &self.committing, self.ledger.current()) {
             (Some(batch), None, None) if batch.last_end.is_some() => {
                 Some(batch.opened + self.batching.linger)
             }
@@ -360,7 +360,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
                 result
             }
             Step::Committed(result) => self.committed(result).await,
-            Step::Lingered if self.due() && self.reading.is_none() => self.start_commit().await,
+            Step::Lingered if self.due() && !self.ledger.reading() => self.start_commit().await,
             Step::Lingered => Ok(()),
         }
     }
@@ -376,7 +376,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             if let Some(committing) = &mut self.committing {
                 let result = committing.future.as_mut().await;
                 self.committed(result).await?;
-            } else if self.reading.is_none()
+            } else if !self.ledger.reading()
                 && self.batch.as_ref().is_some_and(|b| b.last_end.is_some())
             {
                 self.start_commit().await?;
