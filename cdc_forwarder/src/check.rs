@@ -11,13 +11,15 @@ use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 
 use crate::config::Config;
-use crate::slot;
+use crate::slot::{self, Severity};
 
 /// The outcome of one check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Check {
     pub name: &'static str,
     pub ok: bool,
+    /// Passes, with something the operator should know.
+    pub warning: bool,
     /// What was found, or what to do.
     pub detail: String,
 }
@@ -27,21 +29,31 @@ impl Check {
         Check {
             name,
             ok: true,
+            warning: false,
             detail: detail.into(),
+        }
+    }
+    fn warn(name: &'static str, detail: impl Into<String>) -> Check {
+        Check {
+            warning: true,
+            ..Check::ok(name, detail)
         }
     }
     fn fail(name: &'static str, detail: impl Into<String>) -> Check {
         Check {
-            name,
             ok: false,
-            detail: detail.into(),
+            ..Check::ok(name, detail)
         }
     }
 }
 
 impl std::fmt::Display for Check {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mark = if self.ok { "ok  " } else { "FAIL" };
+        let mark = match (self.ok, self.warning) {
+            (false, _) => "FAIL",
+            (true, true) => "warn",
+            (true, false) => "ok  ",
+        };
         write!(f, "{mark}  {:<12} {}", self.name, self.detail)
     }
 }
@@ -55,13 +67,16 @@ pub async fn run(config: &Config) -> Vec<Check> {
 
 async fn postgres(config: &Config) -> Vec<Check> {
     let target = config.postgres.redacted();
-    let client = match tokio::time::timeout(
-        Duration::from_secs(10),
-        slot::connect(&config.postgres),
-    )
-    .await
-    {
-        Ok(Ok(client)) => client,
+    // Of several hosts, the one `run` would stream from.
+    let primary = async {
+        let primary = slot::primary(&config.postgres).await?;
+        Ok::<_, crate::error::Error>((slot::connect(&primary).await?, primary.redacted()))
+    };
+    let (client, target) = match tokio::time::timeout(Duration::from_secs(30), primary).await {
+        Ok(Ok((client, primary))) if primary != target => {
+            (client, format!("{primary} (the primary of {target})"))
+        }
+        Ok(Ok((client, _))) => (client, target),
         Ok(Err(e)) => {
             let hint = if e.to_string().contains("TLS") {
                 "check sslmode and sslrootcert (the CA that signed the server's certificate)"
@@ -76,7 +91,7 @@ async fn postgres(config: &Config) -> Vec<Check> {
         Err(_) => {
             return vec![Check::fail(
                 "postgres",
-                format!("no answer from {target} within 10 s; check host, port and firewall"),
+                format!("no answer from {target} within 30 s; check host, port and firewall"),
             )]
         }
     };
@@ -183,7 +198,73 @@ async fn postgres(config: &Config) -> Vec<Check> {
         },
         Err(e) => Check::fail("slot", e.to_string()),
     });
+    checks.push(match slot::retention(&client, &config.slot).await {
+        Ok(retention) => {
+            let findings = retention.findings(&config.slot);
+            let text = findings
+                .iter()
+                .map(|(_, text)| text.as_str())
+                .collect::<Vec<_>>()
+                .join("; ");
+            if findings.is_empty() {
+                Check::ok("retention", retention.summary())
+            } else if findings
+                .iter()
+                .any(|(severity, _)| *severity == Severity::Error)
+            {
+                Check::fail("retention", text)
+            } else {
+                Check::warn("retention", text)
+            }
+        }
+        Err(e) => Check::fail("retention", e.to_string()),
+    });
+    checks.push(failover(&client, config).await);
     checks
+}
+
+/// Whether the slot survives a promotion of a standby: on 17 and later a
+/// failover slot, kept in step on standbys that synchronise slots, which
+/// the primary waits for when `synchronized_standby_slots` names them.
+async fn failover(client: &tokio_postgres::Client, config: &Config) -> Check {
+    let row = match client
+        .query_one(
+            "SELECT current_setting('server_version_num')::int, \
+                    current_setting('synchronized_standby_slots', true), \
+                    (SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'physical' AND active)",
+            &[],
+        )
+        .await
+    {
+        Ok(row) => row,
+        Err(e) => return Check::fail("failover", e.to_string()),
+    };
+    let (version, waits_for, standbys): (i32, Option<String>, i64) =
+        (row.get(0), row.get(1), row.get(2));
+    if version < 170000 {
+        return Check::ok(
+            "failover",
+            format!("PostgreSQL {} has no failover slots: a promoted standby has no slot, and the forwarder's first start there delivers the stored events again", version / 10000),
+        );
+    }
+    if !config.failover_slot {
+        return Check::ok(
+            "failover",
+            "an ordinary slot (no_failover_slot): a promoted standby will not have it",
+        );
+    }
+    let waits_for = waits_for.unwrap_or_default();
+    match (standbys, waits_for.is_empty()) {
+        (0, _) => Check::ok("failover", "a failover slot; no standby streams from this server"),
+        (n, true) => Check::warn(
+            "failover",
+            format!("a failover slot, but synchronized_standby_slots is empty while {n} standby(s) stream from this server through physical slots: the forwarder can get ahead of a standby's copy of the slot; name their physical slots there, and give each standby sync_replication_slots = on, hot_standby_feedback = on, primary_slot_name and a dbname in primary_conninfo"),
+        ),
+        (n, false) => Check::ok(
+            "failover",
+            format!("a failover slot; {n} standby(s) stream, and the forwarder waits for {waits_for} (each needs sync_replication_slots = on)"),
+        ),
+    }
 }
 
 /// Keeps the first error librdkafka reports: it says why (a refused TLS

@@ -239,15 +239,74 @@ impl PgTarget {
         self.config.get_dbname().unwrap_or_default()
     }
 
-    /// `user@host:port/dbname`, without the password: safe to log.
+    /// `user@host:port/dbname` (every host of a multi-host URL), without
+    /// the password: safe to log.
     pub fn redacted(&self) -> String {
-        format!(
-            "{}@{}:{}/{}",
-            self.user(),
-            self.host(),
-            self.port(),
-            self.dbname()
-        )
+        let hosts = self
+            .per_host()
+            .iter()
+            .map(|one| format!("{}:{}", one.host(), one.port()))
+            .collect::<Vec<_>>()
+            .join(",");
+        format!("{}@{hosts}/{}", self.user(), self.dbname())
+    }
+
+    /// One target per host of a multi-host URL (`postgres://a:5432,b:5432/db`,
+    /// or `host=a,b port=5432,5432`), in order, each keeping every other
+    /// setting; the target itself when it names one host.
+    pub fn per_host(&self) -> Vec<PgTarget> {
+        let all = &self.config;
+        let hosts = all.get_hosts();
+        if hosts.len() <= 1 {
+            return vec![self.clone()];
+        }
+        let ports = all.get_ports();
+        hosts
+            .iter()
+            .enumerate()
+            .map(|(i, host)| {
+                let mut one = tokio_postgres::Config::new();
+                match host {
+                    tokio_postgres::config::Host::Tcp(name) => one.host(name),
+                    #[cfg(unix)]
+                    tokio_postgres::config::Host::Unix(path) => one.host_path(path),
+                };
+                // libpq: one port for every host, or one per host.
+                one.port(ports.get(i).or(ports.first()).copied().unwrap_or(5432));
+                if let Some(addr) = all.get_hostaddrs().get(i) {
+                    one.hostaddr(*addr);
+                }
+                if let Some(user) = all.get_user() {
+                    one.user(user);
+                }
+                if let Some(password) = all.get_password() {
+                    one.password(password);
+                }
+                if let Some(dbname) = all.get_dbname() {
+                    one.dbname(dbname);
+                }
+                if let Some(options) = all.get_options() {
+                    one.options(options);
+                }
+                if let Some(name) = all.get_application_name() {
+                    one.application_name(name);
+                }
+                if let Some(timeout) = all.get_connect_timeout() {
+                    one.connect_timeout(*timeout);
+                }
+                if let Some(timeout) = all.get_tcp_user_timeout() {
+                    one.tcp_user_timeout(*timeout);
+                }
+                one.ssl_mode(all.get_ssl_mode())
+                    .keepalives(all.get_keepalives())
+                    .keepalives_idle(all.get_keepalives_idle())
+                    .channel_binding(all.get_channel_binding());
+                PgTarget {
+                    config: one,
+                    tls: self.tls.clone(),
+                }
+            })
+            .collect()
     }
 }
 
@@ -276,6 +335,8 @@ pub struct Config {
     pub publication: String,
     /// Create the publication and the slot when they are missing.
     pub create_missing: bool,
+    /// On PostgreSQL 17 and later, create the slot as a failover slot.
+    pub failover_slot: bool,
     pub topic_template: String,
     /// At most this many events produced but not yet acknowledged by Kafka.
     pub max_in_flight_events: usize,
@@ -461,6 +522,7 @@ impl Config {
             slot: "pg_outbox".into(),
             publication: "pg_outbox".into(),
             create_missing: true,
+            failover_slot: true,
             topic_template: DEFAULT_TOPIC_TEMPLATE.into(),
             max_in_flight_events: 10_000,
             max_in_flight_bytes: 64 << 20,
@@ -603,6 +665,29 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_multi_host_url_gives_one_target_per_host_with_the_rest_kept() {
+        for url in [
+            "postgres://fwd:s3cret@db-a:5433,db-b:5434/app?sslmode=disable&application_name=relay",
+            "host=db-a,db-b port=5433,5434 user=fwd password=s3cret dbname=app sslmode=disable application_name=relay",
+        ] {
+            let target = PgTarget::parse(url).expect(url);
+            assert_eq!(target.redacted(), "fwd@db-a:5433,db-b:5434/app");
+            let hosts = target.per_host();
+            let seen: Vec<_> = hosts.iter().map(|h| (h.host(), h.port())).collect();
+            assert_eq!(seen, [("db-a".to_owned(), 5433), ("db-b".to_owned(), 5434)]);
+            for one in &hosts {
+                assert_eq!((one.user(), one.password().as_str(), one.dbname()), ("fwd", "s3cret", "app"));
+                assert_eq!(one.sql_config().get_application_name(), Some("relay"));
+                assert_eq!(one.tls().mode, SslMode::Disable);
+            }
+        }
+        // One port serves every host.
+        let target = PgTarget::parse("host=db-a,db-b port=6000 user=fwd dbname=app").expect("url");
+        let ports: Vec<_> = target.per_host().iter().map(PgTarget::port).collect();
+        assert_eq!(ports, [6000, 6000]);
+    }
 
     #[test]
     fn password_never_shows_in_debug_output() {

@@ -30,6 +30,11 @@ pub enum Error {
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
 
+    /// None of the hosts of a multi-host URL is a reachable primary (as
+    /// during a failover): tried again.
+    #[error("no primary among the PostgreSQL hosts: {0}")]
+    NoPrimary(String),
+
     /// Another instance holds the slot (or is creating it): this one waits
     /// as a standby and tries again.
     #[error("slot {0} is in use by another instance; waiting as standby")]
@@ -82,7 +87,7 @@ impl Error {
                 None => true,
             },
             Error::Replication(e) => !e.is_auth(),
-            Error::Kafka(_) | Error::SlotBusy(_) => true,
+            Error::Kafka(_) | Error::SlotBusy(_) | Error::NoPrimary(_) => true,
         }
     }
 
@@ -97,6 +102,7 @@ impl Error {
             Error::Layout(_) => "layout",
             Error::Kafka(_) => "kafka",
             Error::SlotBusy(_) => "slot_busy",
+            Error::NoPrimary(_) => "no_primary",
             Error::Fenced(_) => "fenced",
             Error::Poison { .. } => "poison",
         }

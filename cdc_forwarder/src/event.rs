@@ -44,6 +44,8 @@ impl OutboxEvent {
 /// queries on `outbox.events` (the catch-up, replay).
 pub const EVENT_COLUMNS: &str = "event_id::text, aggregate_type, aggregate_id, aggregate_seq, \
      event_type, schema_version, payload::text, headers::text, topic, occurred_at::text";
+/// How many columns [`EVENT_COLUMNS`] has: a query may select more after them.
+pub const EVENT_COLUMN_COUNT: usize = 10;
 
 impl OutboxEvent {
     /// An event from a row selected with [`EVENT_COLUMNS`].

@@ -196,7 +196,10 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
             runtime.block_on(async {
                 let client = slot::connect(&config.postgres).await?;
                 match action {
-                    Action::Create => slot::create_slot(&client, &config.slot).await?,
+                    Action::Create => {
+                        let failover = slot::wants_failover(&client, &config).await?;
+                        slot::create_slot(&client, &config.slot, failover).await?
+                    }
                     Action::Drop => slot::drop_slot(&client, &config.slot).await?,
                 }
                 println!(

@@ -17,7 +17,9 @@
 //! last stable offset back, and our committed records may lie beyond it, so
 //! the reader waits until it has consumed up to the high watermark that
 //! existed right after `init_transactions`, not just to the first end of
-//! partition.
+//! partition. It reads the end of the partition first (a compacted topic
+//! keeps every record until its segment rolls, tens of thousands after a
+//! busy day), and earlier records only while no record of ours is found.
 
 use std::time::{Duration, Instant};
 
@@ -31,6 +33,7 @@ use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
 use crate::error::{Error, Result};
+use crate::horizon::{Horizon, Runs};
 use crate::lsn::Lsn;
 
 /// Client context that does not log the end-of-partition events the reader
@@ -86,7 +89,7 @@ impl OffsetStore {
     }
 
     /// [`Self::load`] on the blocking pool.
-    pub async fn load_async(&self, timeout: Duration) -> Result<Option<Lsn>> {
+    pub async fn load_async(&self, timeout: Duration) -> Result<Option<Stored>> {
         let store = self.clone();
         tokio::task::spawn_blocking(move || store.load(timeout))
             .await
@@ -94,7 +97,7 @@ impl OffsetStore {
     }
 
     /// Reads the last committed offset (blocking; call off the async workers).
-    pub fn load(&self, timeout: Duration) -> Result<Option<Lsn>> {
+    pub fn load(&self, timeout: Duration) -> Result<Option<Stored>> {
         let deadline = Instant::now() + timeout;
         let config = |isolation: &str| {
             self.client
@@ -103,6 +106,9 @@ impl OffsetStore {
                 .set("enable.auto.commit", "false")
                 .set("enable.partition.eof", "true")
                 .set("isolation.level", isolation)
+                // Reaching the end costs one empty fetch: do not let the
+                // broker hold it for long.
+                .set("fetch.wait.max.ms", "10")
                 .clone()
         };
         let committed: BaseConsumer<QuietEof> =
@@ -116,75 +122,122 @@ impl OffsetStore {
             .iter()
             .flat_map(|t| t.partitions().iter().map(|p| p.id()))
             .collect();
-        let mut targets = Vec::new();
-        let mut assignment = TopicPartitionList::new();
-        for &p in &partitions {
-            let (_, high) = raw.fetch_watermarks(&self.topic, p, Duration::from_secs(10))?;
-            if high > 0 {
-                targets.push((p, high));
-                assignment.add_partition_offset(&self.topic, p, Offset::Beginning)?;
+        let mut found: Option<Stored> = None;
+        for p in partitions {
+            let (low, high) = raw.fetch_watermarks(&self.topic, p, Duration::from_secs(10))?;
+            // The newest record of ours is near the end; until compaction
+            // the partition holds every commit ever made. Read ever longer
+            // tails until one has a record of ours or the tail is it all.
+            let mut tail = TAIL_RECORDS;
+            loop {
+                let from = (high - tail).max(low);
+                let stored = self.read_range(&committed, p, from, high, deadline)?;
+                if stored.is_some() || from == low {
+                    if stored.as_ref().map(|s| s.lsn) > found.as_ref().map(|s| s.lsn) {
+                        found = stored;
+                    }
+                    break;
+                }
+                tail *= 16;
             }
         }
-        if targets.is_empty() {
+        // Closing the readers takes a while and nothing waits for it.
+        std::thread::spawn(move || drop((committed, raw)));
+        Ok(found)
+    }
+
+    /// The last offset of ours in partition `p` between offsets `from` and
+    /// `high`, read committed.
+    fn read_range(
+        &self,
+        consumer: &BaseConsumer<QuietEof>,
+        p: i32,
+        from: i64,
+        high: i64,
+        deadline: Instant,
+    ) -> Result<Option<Stored>> {
+        if from >= high {
             return Ok(None);
         }
-        committed.assign(&assignment)?;
-
+        let mut assignment = TopicPartitionList::new();
+        assignment.add_partition_offset(&self.topic, p, Offset::Offset(from))?;
+        consumer.assign(&assignment)?;
         let mut found = None;
-        let mut done = vec![false; targets.len()];
-        while !done.iter().all(|d| *d) {
+        loop {
             if Instant::now() > deadline {
                 return Err(Error::Kafka(KafkaError::MessageConsumption(
                     RDKafkaErrorCode::OperationTimedOut,
                 )));
             }
-            match committed.poll(Duration::from_millis(200)) {
-                Some(Ok(message)) => {
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(message)) if message.partition() == p => {
                     if message.key() == Some(self.key.as_bytes()) {
-                        if let Some(lsn) = message.payload().and_then(decode) {
-                            found = Some(lsn);
+                        if let Some(stored) = message.payload().and_then(decode) {
+                            found = Some(stored);
                         }
                     }
-                    let i = targets.iter().position(|t| t.0 == message.partition());
-                    if let Some(i) = i {
-                        if message.offset() + 1 >= targets[i].1 {
-                            done[i] = true;
-                        }
+                    if message.offset() + 1 >= high {
+                        return Ok(found);
                     }
                 }
-                Some(Err(KafkaError::PartitionEOF(p))) => {
-                    // At the end of what read_committed may see: complete once
-                    // that end has reached the target high watermark.
-                    if let Some(i) = targets.iter().position(|t| t.0 == p) {
-                        let (_, stable) =
-                            committed.fetch_watermarks(&self.topic, p, Duration::from_secs(10))?;
-                        let position = committed
-                            .position()?
-                            .find_partition(&self.topic, p)
-                            .and_then(|e| e.offset().to_raw())
-                            .unwrap_or(0);
-                        if stable >= targets[i].1 && position >= targets[i].1 {
-                            done[i] = true;
-                        }
+                Some(Err(KafkaError::PartitionEOF(eof))) if eof == p => {
+                    let (_, stable) =
+                        consumer.fetch_watermarks(&self.topic, p, Duration::from_secs(10))?;
+                    let position = consumer
+                        .position()?
+                        .find_partition(&self.topic, p)
+                        .and_then(|e| e.offset().to_raw())
+                        .unwrap_or(0);
+                    if stable >= high && position >= high {
+                        return Ok(found);
                     }
                 }
+                Some(Ok(_) | Err(KafkaError::PartitionEOF(_))) | None => {}
                 Some(Err(e)) => return Err(e.into()),
-                None => {}
             }
         }
-        Ok(found)
     }
 }
 
-/// The value of an offset record.
-pub fn encode(lsn: Lsn) -> String {
-    format!(r#"{{"lsn":"{lsn}"}}"#)
+/// How many records at the end of a partition are read first.
+const TAIL_RECORDS: i64 = 256;
+
+/// What an offset record says: the position Kafka holds every transaction
+/// up to, and in transaction ids (see [`crate::horizon`]) when known.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    pub lsn: Lsn,
+    pub horizon: Option<Horizon>,
 }
 
-/// The position in an offset record's value, if it is one.
-pub fn decode(value: &[u8]) -> Option<Lsn> {
+pub fn encode(lsn: Lsn, horizon: Option<&Horizon>) -> String {
+    match horizon {
+        None => format!(r#"{{"lsn":"{lsn}"}}"#),
+        Some(h) => format!(
+            r#"{{"lsn":"{lsn}","snapshot":"{}","xids":"{}","origin":"{}"}}"#,
+            h.base,
+            h.xids.encode(),
+            h.origin
+        ),
+    }
+}
+
+/// An offset record's value, if it is one. Records written before horizons
+/// existed, or with one that does not read, have none.
+pub fn decode(value: &[u8]) -> Option<Stored> {
     let v: serde_json::Value = serde_json::from_slice(value).ok()?;
-    v.get("lsn")?.as_str()?.parse().ok()
+    let text = |key: &str| v.get(key).and_then(|x| x.as_str());
+    let horizon = (|| {
+        Some(Horizon {
+            base: text("snapshot")?.parse().ok()?,
+            xids: Runs::decode(text("xids")?)?,
+            origin: text("origin")?.to_owned(),
+        })
+    })();
+    Some(Stored {
+        lsn: text("lsn")?.parse().ok()?,
+        horizon,
+    })
 }
 
 /// Where the transactional sink keeps its offset. [`OffsetStore`] is the
@@ -195,8 +248,8 @@ pub trait Offsets {
     fn address(&self) -> (&str, &str);
     /// Creates the (compacted) topic when it is missing.
     async fn ensure_topic(&self) -> Result<()>;
-    /// The last committed offset, if any.
-    async fn stored(&self) -> Result<Option<Lsn>>;
+    /// The last committed offset record, if any.
+    async fn stored(&self) -> Result<Option<Stored>>;
 }
 
 /// How long reading the stored offset may take.
@@ -211,7 +264,7 @@ impl Offsets for OffsetStore {
         OffsetStore::ensure_topic(self).await
     }
 
-    async fn stored(&self) -> Result<Option<Lsn>> {
+    async fn stored(&self) -> Result<Option<Stored>> {
         self.load_async(LOAD_TIMEOUT).await
     }
 }
@@ -223,7 +276,18 @@ mod tests {
     #[test]
     fn offset_values_round_trip() {
         let lsn = Lsn(0x1_6B37_4D48);
-        assert_eq!(decode(encode(lsn).as_bytes()), Some(lsn));
+        let plain = Stored { lsn, horizon: None };
+        assert_eq!(decode(encode(lsn, None).as_bytes()), Some(plain));
+        let horizon = Horizon {
+            base: "700:705:701".parse().expect("snapshot"),
+            xids: [701, 705, 706].into_iter().collect(),
+            origin: "7714164429801179135/00000002".into(),
+        };
+        let full = Stored {
+            lsn,
+            horizon: Some(horizon.clone()),
+        };
+        assert_eq!(decode(encode(lsn, Some(&horizon)).as_bytes()), Some(full));
         assert_eq!(decode(b"{}"), None);
         assert_eq!(decode(b"garbage"), None);
     }

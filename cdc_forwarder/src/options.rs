@@ -26,7 +26,8 @@ use crate::routing::{ValueFormat, DEFAULT_TOPIC_TEMPLATE};
 pub struct Options {
     /// PostgreSQL connection URL of the database that has the pg_outbox
     /// extension or its SQL edition, for a role with the REPLICATION
-    /// attribute.
+    /// attribute. Several hosts (a:5432,b:5432) are tried in order for the
+    /// primary.
     #[arg(long, env = "OUTBOX_POSTGRES_URL", hide_env_values = true)]
     pub postgres_url: Option<String>,
     /// Kafka bootstrap servers, comma-separated host:port.
@@ -44,6 +45,11 @@ pub struct Options {
     /// Fail instead of creating a missing publication or slot.
     #[arg(long, env = "OUTBOX_NO_CREATE")]
     pub no_create: bool,
+    /// Create the slot as an ordinary one on PostgreSQL 17 and later, where
+    /// it is otherwise a failover slot (kept in step on standbys that
+    /// synchronise slots).
+    #[arg(long, env = "OUTBOX_NO_FAILOVER_SLOT")]
+    pub no_failover_slot: bool,
     /// Delivery guarantee: at-least-once (idempotent producer) or
     /// exactly-once (Kafka transactions with offsets stored in Kafka, for
     /// read_committed consumers).
@@ -125,6 +131,7 @@ impl Options {
         config.publication = self.publication;
         config.topic_template = self.topic_template;
         config.create_missing = !self.no_create;
+        config.failover_slot = !self.no_failover_slot;
         config.delivery = self.delivery;
         config.offsets_topic = self.offsets_topic;
         config.dead_letter_topic = self.dead_letter_topic;
@@ -293,7 +300,7 @@ mod tests {
             .iter()
             .filter(|r| r.key != KAFKA_PROPERTIES)
             .map(|r| match r.key.as_str() {
-                "no_create" => format!("{} = true\n", r.key),
+                "no_create" | "no_failover_slot" => format!("{} = true\n", r.key),
                 "batch_max_events" | "batch_linger_ms" | "ready_max_lag_bytes" => {
                     format!("{} = 1\n", r.key)
                 }

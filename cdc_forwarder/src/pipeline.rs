@@ -30,8 +30,9 @@ use tokio_postgres::Client;
 
 use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
-use crate::event::{OutboxEvent, EVENT_COLUMNS};
+use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
 use crate::faults;
+use crate::horizon::{Mark, ORIGIN_SQL};
 use crate::lsn::Lsn;
 use crate::metrics::{Metrics, State};
 use crate::offsets::OffsetStore;
@@ -134,6 +135,11 @@ async fn session(
     metrics: &Arc<Metrics>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<()> {
+    // Several hosts: this session streams from whichever is the primary now.
+    let config = &Config {
+        postgres: slot::primary(&config.postgres).await?,
+        ..config.clone()
+    };
     let sql = slot::connect(&config.postgres).await?;
     slot::prepare(&sql, config).await?;
     faults::check("producer_init");
@@ -233,9 +239,10 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Records the confirmed position for retention and status, and reads
-    /// the slot's WAL figures.
-    async fn tick(&self, confirmed: Lsn, recorded: &mut Lsn) -> Result<()> {
+    /// Records the confirmed position for retention and status, reads the
+    /// slot's WAL figures, and in exactly-once mode takes a mark for the
+    /// sink's horizon.
+    async fn tick(&self, confirmed: Lsn, recorded: &mut Lsn) -> Result<Option<Mark>> {
         if confirmed > *recorded {
             // Bookkeeping that only makes retention wait longer while it
             // lags: a statement the server refuses (as while the outbox's
@@ -254,13 +261,19 @@ impl Session<'_> {
             self.metrics.lag_bytes.set(lag);
             self.metrics.retained_wal_bytes.set(retained);
         }
-        Ok(())
+        if self.config.delivery == Delivery::ExactlyOnce {
+            return Ok(Some(slot::mark(&self.sql).await?));
+        }
+        Ok(None)
     }
 
-    /// Whether the slot exists and its first-start catch-up is complete.
+    /// Whether the slot exists, can stream, and its first-start catch-up is
+    /// complete.
     async fn is_caught_up(&self) -> Result<bool> {
         let slot = &self.config.slot;
-        Ok(slot::slot_exists(&self.sql, slot).await? && slot::caught_up(&self.sql, slot).await?)
+        Ok(slot::slot_exists(&self.sql, slot).await?
+            && slot::invalidation(&self.sql, slot).await?.is_none()
+            && slot::caught_up(&self.sql, slot).await?)
     }
 
     /// Creates the slot (dropping one whose catch-up never finished) and
@@ -274,10 +287,25 @@ impl Session<'_> {
         if !slot::try_lock_catch_up(&self.sql, &config.slot).await? {
             return Err(Error::SlotBusy(config.slot.clone()));
         }
-        if slot::slot_exists(&self.sql, &config.slot).await? {
-            // Kafka may hold a finished catch-up whose record in PostgreSQL
-            // was lost to a crash: then it is done.
-            if let Some(stored) = sink.claim().await? {
+        // What a lost slot's catch-up may leave out, read before its record goes.
+        let safe = slot::safe_snapshot(&self.sql, &config.slot).await?;
+        if let Some(reason) = slot::invalidation(&self.sql, &config.slot).await? {
+            // It can never stream again: what it held back is gone.
+            if !config.create_missing {
+                return Err(Error::Setup(format!(
+                    "slot {:?} is invalidated ({reason}); allow creation so it can be recreated, or drop it with `outbox-forwarder slot drop`",
+                    config.slot
+                )));
+            }
+            tracing::warn!(slot = %config.slot, reason, "the slot is invalidated; recreating it, and delivering the stored events Kafka lacks");
+            slot::drop_slot(&self.sql, &config.slot).await?;
+        } else if slot::slot_exists(&self.sql, &config.slot).await? {
+            // Kafka may hold this slot's finished catch-up whose record in
+            // PostgreSQL was lost to a crash: its offset is then the slot's
+            // consistent point, which nothing has confirmed past yet. An
+            // older offset (a slot lost and made again) does not count.
+            let created_at = slot::confirmed_flush(&self.sql, &config.slot).await?;
+            if let Some(stored) = sink.claim().await?.filter(|s| Some(*s) == created_at) {
                 slot::record_progress(&self.sql, &config.slot, stored, true).await?;
                 slot::unlock_catch_up(&self.sql, &config.slot).await?;
                 return Ok(());
@@ -296,9 +324,16 @@ impl Session<'_> {
                 config.slot
             )));
         }
-        let created = stream.create_slot(&config.slot).await?;
-        tracing::info!(slot = %config.slot, consistent_point = %created.consistent_point, "created replication slot");
-        let events = self.catch_up(&created, sink).await?;
+        // A slot lost after a finished catch-up: Kafka may say what it holds.
+        sink.claim().await?;
+        // The new slot's catch-up is undone until it is recorded done; a
+        // crash before then redoes it (without the safe snapshot: at least
+        // once repeats more, exactly-once has Kafka's horizon).
+        slot::forget(&self.sql, &config.slot).await?;
+        let failover = slot::wants_failover(&self.sql, config).await?;
+        let created = stream.create_slot(&config.slot, failover).await?;
+        tracing::info!(slot = %config.slot, consistent_point = %created.consistent_point, failover, "created replication slot");
+        let events = self.catch_up(&created, safe.as_deref(), sink).await?;
         slot::record_progress(&self.sql, &config.slot, created.consistent_point, true).await?;
         slot::unlock_catch_up(&self.sql, &config.slot).await?;
         tracing::info!(events, "first-start catch-up done");
@@ -306,8 +341,16 @@ impl Session<'_> {
     }
 
     /// Delivers every event visible in the slot's exported snapshot, as one
-    /// transaction ending at the slot's consistent point.
-    async fn catch_up<S: Sink>(&self, created: &CreatedSlot, sink: &mut S) -> Result<u64> {
+    /// transaction ending at the slot's consistent point, but those Kafka is
+    /// known to hold: by the sink's horizon (exactly-once), and by `safe`,
+    /// the last safe snapshot in `outbox.relay_progress` (any mode; a slot
+    /// that was lost after its catch-up).
+    async fn catch_up<S: Sink>(
+        &self,
+        created: &CreatedSlot,
+        safe: Option<&str>,
+        sink: &mut S,
+    ) -> Result<u64> {
         // A connection of its own: the session's stays free for progress.
         let mut reader = slot::connect(&self.config.postgres).await?;
         let tx = reader
@@ -321,23 +364,46 @@ impl Session<'_> {
             created.snapshot.replace('\'', "''")
         ))
         .await?;
-        let portal = tx
-            .bind(
-                &format!(
-                    "SELECT {EVENT_COLUMNS} FROM outbox.events \
-                      ORDER BY aggregate_type, aggregate_id, aggregate_seq"
-                ),
+        let row = tx
+            .query_one(
+                &format!("SELECT pg_current_snapshot()::text, {ORIGIN_SQL}"),
                 &[],
             )
             .await?;
-        sink.begin();
+        let (exported, origin): (String, String) = (row.get(0), row.get(1));
+        let horizon = sink.delivered().filter(|h| {
+            let here = h.origin == origin;
+            if !here {
+                tracing::warn!(recorded_on = %h.origin, server = %origin, "Kafka's horizon was recorded on another server history (a promoted standby, a restore): leaving out only what relay_progress's safe snapshot shows; events committed after it are delivered again");
+            }
+            here
+        });
+        let base = horizon.as_ref().map(|h| h.base.to_string());
+        let portal = tx
+            .bind(
+                &format!(
+                    "SELECT {EVENT_COLUMNS}, e.txid::text::bigint FROM outbox.events e \
+                      WHERE NOT coalesce(pg_visible_in_snapshot(e.txid, $1::text::pg_snapshot), false) \
+                        AND NOT coalesce(pg_visible_in_snapshot(e.txid, $2::text::pg_snapshot), false) \
+                      ORDER BY aggregate_type, aggregate_id, aggregate_seq"
+                ),
+                &[&base, &safe],
+            )
+            .await?;
+        sink.begin(None);
         let mut count = 0u64;
+        let mut held = 0u64;
         loop {
             let rows = tx.query_portal(&portal, CATCH_UP_FETCH).await?;
             if rows.is_empty() {
                 break;
             }
             for row in rows {
+                let txid: i64 = row.get(EVENT_COLUMN_COUNT);
+                if horizon.as_ref().is_some_and(|h| h.holds(txid as u64)) {
+                    held += 1;
+                    continue;
+                }
                 sink.event(OutboxEvent::from_row(&row)).await?;
                 count += 1;
                 while !sink.has_room() {
@@ -347,6 +413,16 @@ impl Session<'_> {
             }
         }
         tx.commit().await?;
+        if held > 0 {
+            tracing::info!(held, "left out events of transactions Kafka holds");
+        }
+        // Every transaction the exported snapshot shows is in Kafka now.
+        sink.mark(Mark {
+            snapshot: exported.parse().map_err(Error::Setup)?,
+            lsn: created.consistent_point,
+            exact: true,
+            origin,
+        });
         sink.commit(created.consistent_point, None).await?;
         sink.finish().await?;
         if sink.confirmable() < Some(created.consistent_point) {
@@ -369,7 +445,7 @@ pub async fn forward<S: Source, K: Sink>(
     sink: &mut K,
     shutdown: &mut watch::Receiver<bool>,
     metrics: &Metrics,
-    mut tick: impl AsyncFnMut(Lsn) -> Result<()>,
+    mut tick: impl AsyncFnMut(Lsn) -> Result<Option<Mark>>,
 ) -> Result<Lsn> {
     let mut confirmed = Lsn::ZERO;
     let mut ticker = tokio::time::interval(PROGRESS_INTERVAL);
@@ -387,9 +463,13 @@ pub async fn forward<S: Source, K: Sink>(
                 stopping = Some(Instant::now());
             }
             step = sink.wait() => sink.apply(step?).await?,
-            _ = ticker.tick() => tick(confirmed).await?,
+            _ = ticker.tick() => {
+                if let Some(mark) = tick(confirmed).await? {
+                    sink.mark(mark);
+                }
+            }
             change = source.next(), if sink.has_room() => match change? {
-                Change::Begin => sink.begin(),
+                Change::Begin { xid } => sink.begin(Some(xid)),
                 Change::Event(event) => sink.event(event).await?,
                 Change::Commit { end_lsn, commit_time_micros } => {
                     sink.commit(end_lsn, Some(commit_time_micros)).await?;

@@ -24,6 +24,8 @@ pub enum StreamEvent {
     Begin {
         /// LSN of the transaction's commit record.
         final_lsn: Lsn,
+        /// The transaction's id (32 bits, as pgoutput sends it).
+        xid: u32,
     },
     /// A Relation, Insert or other pgoutput message inside a transaction.
     Change(Message),
@@ -71,13 +73,15 @@ impl ReplicationStream {
         Ok(ReplicationStream { client })
     }
 
-    /// CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export'). The snapshot stays
-    /// valid until [`Self::start`].
-    pub async fn create_slot(&mut self, slot: &str) -> Result<CreatedSlot> {
+    /// CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export'), with `failover` a
+    /// failover slot (PostgreSQL 17 and later). The snapshot stays valid
+    /// until [`Self::start`].
+    pub async fn create_slot(&mut self, slot: &str, failover: bool) -> Result<CreatedSlot> {
+        let failover = if failover { ", FAILOVER true" } else { "" };
         let rows = self
             .client
             .simple_query(&format!(
-                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'export')"
+                "CREATE_REPLICATION_SLOT \"{slot}\" LOGICAL pgoutput (SNAPSHOT 'export'{failover})"
             ))
             .await?;
         let text = |i: usize| -> Option<String> {
@@ -116,8 +120,9 @@ impl ReplicationStream {
                 return Ok(None);
             };
             let event = match event {
-                ReplicationEvent::Begin { final_lsn, .. } => StreamEvent::Begin {
+                ReplicationEvent::Begin { final_lsn, xid, .. } => StreamEvent::Begin {
                     final_lsn: Lsn(final_lsn.as_u64()),
+                    xid,
                 },
                 ReplicationEvent::Commit {
                     end_lsn,

@@ -26,6 +26,7 @@ pub use transactional::Transactional;
 
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::horizon::{Horizon, Mark};
 use crate::ledger::Released;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -49,7 +50,8 @@ pub trait Sink {
     /// matters and returns the position Kafka already holds, if it keeps one.
     async fn claim(&mut self) -> Result<Option<Lsn>>;
 
-    fn begin(&mut self);
+    /// A transaction begins: `xid` is its id, none for the catch-up's.
+    fn begin(&mut self, xid: Option<u32>);
     async fn event(&mut self, event: OutboxEvent) -> Result<()>;
     /// `commit_time_micros` is none for the first-start catch-up.
     async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()>;
@@ -67,6 +69,14 @@ pub trait Sink {
     async fn apply(&mut self, step: Self::Step) -> Result<()>;
     /// The position to confirm to the source, when it moved.
     fn confirmable(&mut self) -> Option<Lsn>;
+
+    /// A snapshot and the WAL position after it, for sinks that keep a
+    /// [`Horizon`] (exactly-once).
+    fn mark(&mut self, _mark: Mark) {}
+    /// The transactions Kafka is known to hold, where the sink keeps that.
+    fn delivered(&self) -> Option<Horizon> {
+        None
+    }
 
     /// Graceful end: delivers what can be delivered of complete transactions
     /// and abandons a transaction still being read (it is replayed).

@@ -5,6 +5,7 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::config::{Config, PgTarget, SslMode};
 use crate::error::{Error, Result};
+use crate::horizon::{Mark, ORIGIN_SQL};
 use crate::lsn::Lsn;
 
 /// Opens an ordinary SQL connection; the connection task runs in the background.
@@ -25,6 +26,39 @@ pub async fn connect(target: &PgTarget) -> Result<Client> {
         .await?;
     Ok(client)
 }
+
+/// The primary among the hosts of a multi-host URL: the first that answers
+/// and is not in recovery. One host is taken as it is. After a promotion the
+/// next session finds the new primary this way, for the SQL and the
+/// replication connection alike.
+pub async fn primary(target: &PgTarget) -> Result<PgTarget> {
+    let hosts = target.per_host();
+    if hosts.len() == 1 {
+        return Ok(target.clone());
+    }
+    let mut tried = Vec::new();
+    for host in hosts {
+        let answer = tokio::time::timeout(PRIMARY_PROBE_TIMEOUT, async {
+            let client = connect(&host).await?;
+            let row = client.query_one("SELECT pg_is_in_recovery()", &[]).await?;
+            Ok::<bool, Error>(row.get(0))
+        })
+        .await;
+        let name = host.redacted();
+        match answer {
+            Ok(Ok(false)) => return Ok(host),
+            Ok(Ok(true)) => tried.push(format!("{name} is a standby")),
+            Ok(Err(e)) => tried.push(format!("{name}: {e}")),
+            Err(_) => tried.push(format!(
+                "{name}: no answer within {PRIMARY_PROBE_TIMEOUT:?}"
+            )),
+        }
+    }
+    Err(Error::NoPrimary(tried.join("; ")))
+}
+
+/// How long a host of a multi-host URL may take to say whether it is the primary.
+const PRIMARY_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 async fn watch_connection<F>(connection: F)
 where
@@ -95,6 +129,43 @@ pub async fn slot_exists(client: &Client, name: &str) -> Result<bool> {
         )
         .await?;
     Ok(row.get(0))
+}
+
+/// Why the slot can no longer stream, if it exists and was invalidated
+/// (`wal_status` lost; on 17+ any `invalidation_reason`, as an idle timeout).
+pub async fn invalidation(client: &Client, name: &str) -> Result<Option<String>> {
+    let row = client
+        .query_opt(
+            "SELECT coalesce(to_jsonb(s) ->> 'invalidation_reason', \
+                             CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' END) \
+               FROM pg_replication_slots s WHERE slot_name = $1 AND database = current_database()",
+            &[&name],
+        )
+        .await?;
+    Ok(row.and_then(|r| r.get(0)))
+}
+
+/// A snapshot and the WAL insert position read after it (see
+/// [`crate::horizon`]).
+pub async fn mark(client: &Client) -> Result<Mark> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT pg_current_snapshot()::text, pg_current_wal_insert_lsn()::text, {ORIGIN_SQL}"
+            ),
+            &[],
+        )
+        .await?;
+    let snapshot: String = row.get(0);
+    let lsn: String = row.get(1);
+    Ok(Mark {
+        snapshot: snapshot.parse().map_err(Error::Setup)?,
+        lsn: lsn
+            .parse()
+            .map_err(|_| Error::Setup(format!("not an LSN: {lsn}")))?,
+        exact: false,
+        origin: row.get(2),
+    })
 }
 
 /// The slot's `confirmed_flush_lsn`, if the slot exists.
@@ -195,6 +266,25 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
             &[&slot],
         )
         .await?;
+    forget(client, slot).await
+}
+
+/// The last safe snapshot recorded for the slot after a finished catch-up
+/// (see `outbox.record_relay_progress`): every transaction it shows is in
+/// Kafka.
+pub async fn safe_snapshot(client: &Client, slot: &str) -> Result<Option<String>> {
+    let row = client
+        .query_opt(
+            "SELECT safe_snapshot::text FROM outbox.relay_progress \
+              WHERE slot_name = $1 AND caught_up_at IS NOT NULL",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.and_then(|r| r.get(0)))
+}
+
+/// Forgets what was recorded for the slot: its catch-up counts as undone.
+pub async fn forget(client: &Client, slot: &str) -> Result<()> {
     client
         .execute("SELECT outbox.forget_relay($1)", &[&slot])
         .await?;
@@ -217,14 +307,30 @@ pub async fn wal_figures(client: &Client, slot: &str) -> Result<Option<(i64, i64
 
 /// Creates the slot without a snapshot. The forwarder's first start then
 /// recreates it with one, to deliver what was committed before.
-pub async fn create_slot(client: &Client, slot: &str) -> Result<()> {
-    client
-        .execute(
-            "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&slot],
+pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<()> {
+    // The failover argument exists from PostgreSQL 17 on only.
+    let sql = if failover {
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)"
+    } else {
+        "SELECT pg_create_logical_replication_slot($1, 'pgoutput')"
+    };
+    client.execute(sql, &[&slot]).await?;
+    Ok(())
+}
+
+/// Whether the slot is to be a failover slot: asked for, and the server
+/// (PostgreSQL 17 and later) has them.
+pub async fn wants_failover(client: &Client, config: &Config) -> Result<bool> {
+    if !config.failover_slot {
+        return Ok(false);
+    }
+    let row = client
+        .query_one(
+            "SELECT current_setting('server_version_num')::int >= 170000",
+            &[],
         )
         .await?;
-    Ok(())
+    Ok(row.get(0))
 }
 
 pub async fn drop_publication(client: &Client, name: &str) -> Result<()> {
@@ -232,4 +338,126 @@ pub async fn drop_publication(client: &Client, name: &str) -> Result<()> {
         .execute("SELECT outbox.drop_publication($1)", &[&name])
         .await?;
     Ok(())
+}
+
+/// What decides whether the server keeps the slot's WAL: its
+/// `max_slot_wal_keep_size`, the slot's `wal_status`, and on 18
+/// `idle_replication_slot_timeout`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Retention {
+    pub max_slot_wal_keep_size: String,
+    /// None while the slot does not exist.
+    pub wal_status: Option<String>,
+    /// None before PostgreSQL 18; "0" when off.
+    pub idle_timeout: Option<String>,
+}
+
+/// How much a finding matters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Severity {
+    Warning,
+    Error,
+}
+
+pub async fn retention(client: &Client, slot: &str) -> Result<Retention> {
+    let row = client
+        .query_one(
+            "SELECT current_setting('max_slot_wal_keep_size'), \
+                    (SELECT wal_status FROM pg_replication_slots WHERE slot_name = $1), \
+                    current_setting('idle_replication_slot_timeout', true)",
+            &[&slot],
+        )
+        .await?;
+    Ok(Retention {
+        max_slot_wal_keep_size: row.get(0),
+        wal_status: row.get(1),
+        idle_timeout: row.get(2),
+    })
+}
+
+impl Retention {
+    /// What an operator should hear about, most serious first.
+    pub fn findings(&self, slot: &str) -> Vec<(Severity, String)> {
+        let mut found = Vec::new();
+        match self.wal_status.as_deref() {
+            Some("lost") => found.push((
+                Severity::Error,
+                format!("slot {slot} is invalidated (wal_status lost): the server removed WAL it still needed; drop it (outbox-forwarder slot drop) and start the forwarder, whose first-start catch-up re-delivers the stored events"),
+            )),
+            Some("unreserved") => found.push((
+                Severity::Warning,
+                format!("slot {slot} is past max_slot_wal_keep_size (wal_status unreserved): the next checkpoint invalidates it unless the forwarder catches up"),
+            )),
+            _ => {}
+        }
+        if self.max_slot_wal_keep_size == "-1" {
+            found.push((
+                Severity::Warning,
+                "max_slot_wal_keep_size is unlimited: while the forwarder is stopped its slot keeps every WAL segment, up to a full disk; set a limit above the longest stop to ride out".to_owned(),
+            ));
+        }
+        if let Some(timeout) = self.idle_timeout.as_deref().filter(|t| *t != "0") {
+            found.push((
+                Severity::Warning,
+                format!("idle_replication_slot_timeout is {timeout}: a slot no forwarder reads for that long is invalidated; set it to 0 or keep the forwarder running"),
+            ));
+        }
+        found
+    }
+
+    /// One line for people.
+    pub fn summary(&self) -> String {
+        let status = self.wal_status.as_deref().unwrap_or("no slot yet");
+        let idle = match self.idle_timeout.as_deref() {
+            Some(timeout) => format!(", idle_replication_slot_timeout {timeout}"),
+            None => String::new(),
+        };
+        format!(
+            "max_slot_wal_keep_size {}, wal_status {status}{idle}",
+            self.max_slot_wal_keep_size
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn retention(keep: &str, status: Option<&str>, idle: Option<&str>) -> Retention {
+        Retention {
+            max_slot_wal_keep_size: keep.into(),
+            wal_status: status.map(Into::into),
+            idle_timeout: idle.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn a_bounded_reserved_slot_has_nothing_to_say() {
+        assert!(retention("8GB", Some("reserved"), None)
+            .findings("s")
+            .is_empty());
+        assert!(retention("8GB", None, Some("0")).findings("s").is_empty());
+    }
+
+    #[test]
+    fn unbounded_retention_an_idle_timeout_and_a_lost_slot_are_reported() {
+        let severities =
+            |r: Retention| r.findings("s").into_iter().map(|f| f.0).collect::<Vec<_>>();
+        assert_eq!(
+            severities(retention("-1", Some("reserved"), None)),
+            [Severity::Warning]
+        );
+        assert_eq!(
+            severities(retention("8GB", Some("reserved"), Some("1d"))),
+            [Severity::Warning]
+        );
+        assert_eq!(
+            severities(retention("8GB", Some("unreserved"), None)),
+            [Severity::Warning]
+        );
+        assert_eq!(
+            severities(retention("-1", Some("lost"), None)),
+            [Severity::Error, Severity::Warning]
+        );
+    }
 }

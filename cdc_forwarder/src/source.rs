@@ -14,7 +14,10 @@ use crate::replication::{ReplicationStream, StreamEvent};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Change {
     /// A transaction begins; its events and its commit follow.
-    Begin,
+    Begin {
+        /// Its id, 32 bits as pgoutput sends it.
+        xid: u32,
+    },
     Event(OutboxEvent),
     Commit {
         /// End of the commit record: the position that confirms this
@@ -73,9 +76,9 @@ impl Source for SlotSource {
                 )));
             };
             let change = match event {
-                StreamEvent::Begin { final_lsn } => {
+                StreamEvent::Begin { final_lsn, xid } => {
                     self.skipping = final_lsn < self.skip_before;
-                    Change::Begin
+                    Change::Begin { xid }
                 }
                 StreamEvent::Change(Message::Relation(relation)) => {
                     if EventLayout::is_events_table(&relation) {

@@ -18,21 +18,34 @@ pub struct SlotStatus {
     pub retained_wal_bytes: Option<i64>,
     pub unforwarded_events: Option<i64>,
     pub oldest_unforwarded_seconds: Option<f64>,
+    /// `pg_replication_slots.wal_status`: reserved, extended, unreserved or lost.
+    pub wal_status: Option<String>,
+    /// PostgreSQL 17 and later: whether the slot is a failover slot, and
+    /// whether it is a standby's synchronised copy.
+    pub failover: Option<bool>,
+    pub synced: Option<bool>,
 }
 
 pub struct Status {
     pub slots: Vec<SlotStatus>,
     /// Exactly-once mode: the offset stored in Kafka for this forwarder.
     pub stored_offset: Option<String>,
+    /// With it, the horizon that tells a lost slot's catch-up what Kafka
+    /// holds: its snapshot and how many transaction ids it lists.
+    pub stored_horizon: Option<(String, u64)>,
+    /// What threatens the slots' WAL (see [`slot::Retention`]).
+    pub warnings: Vec<String>,
 }
 
 pub async fn collect(config: &Config) -> Result<Status> {
     let client = slot::connect(&config.postgres).await?;
     let rows = client
         .query(
-            "SELECT slot_name::text, active, caught_up, confirmed_lsn::text, lag_bytes, retained_wal_bytes, \
-                    unforwarded_events, extract(epoch FROM oldest_unforwarded_age)::float8 \
-               FROM outbox.status() ORDER BY slot_name",
+            "SELECT s.slot_name::text, s.active, s.caught_up, s.confirmed_lsn::text, s.lag_bytes, s.retained_wal_bytes, \
+                    s.unforwarded_events, extract(epoch FROM s.oldest_unforwarded_age)::float8, \
+                    r.wal_status, (to_jsonb(r) ->> 'failover')::bool, (to_jsonb(r) ->> 'synced')::bool \
+               FROM outbox.status() s LEFT JOIN pg_replication_slots r ON r.slot_name = s.slot_name \
+              ORDER BY s.slot_name",
             &[],
         )
         .await?;
@@ -47,24 +60,39 @@ pub async fn collect(config: &Config) -> Result<Status> {
             retained_wal_bytes: r.get(5),
             unforwarded_events: r.get(6),
             oldest_unforwarded_seconds: r.get(7),
+            wal_status: r.get(8),
+            failover: r.get(9),
+            synced: r.get(10),
         })
-        .collect();
-    let stored_offset = if config.delivery == Delivery::ExactlyOnce {
+        .collect::<Vec<_>>();
+    let mut warnings = Vec::new();
+    let names = slots.iter().map(|s| s.slot.as_str());
+    for name in std::iter::once(config.slot.as_str()).chain(names) {
+        for (_, text) in slot::retention(&client, name).await?.findings(name) {
+            if !warnings.contains(&text) {
+                warnings.push(text);
+            }
+        }
+    }
+    let stored = if config.delivery == Delivery::ExactlyOnce {
         let store = OffsetStore {
             client: config.kafka_client(),
             topic: config.offsets_topic.clone(),
             key: config.transactional_id(),
         };
-        store
-            .load_async(std::time::Duration::from_secs(30))
-            .await?
-            .map(|lsn| lsn.to_string())
+        store.load_async(std::time::Duration::from_secs(30)).await?
     } else {
         None
     };
+    let stored_offset = stored.as_ref().map(|s| s.lsn.to_string());
+    let stored_horizon = stored
+        .and_then(|s| s.horizon)
+        .map(|h| (h.base.to_string(), h.xids.count()));
     Ok(Status {
         slots,
         stored_offset,
+        stored_horizon,
+        warnings,
     })
 }
 
@@ -72,6 +100,10 @@ impl Status {
     pub fn to_json(&self) -> Value {
         json!({
             "stored_offset": self.stored_offset,
+            "stored_horizon": self.stored_horizon.as_ref().map(|(snapshot, listed)| json!({
+                "snapshot": snapshot,
+                "listed_transactions": listed,
+            })),
             "slots": self.slots.iter().map(|s| json!({
                 "slot": s.slot,
                 "active": s.active,
@@ -81,14 +113,18 @@ impl Status {
                 "retained_wal_bytes": s.retained_wal_bytes,
                 "unforwarded_events": s.unforwarded_events,
                 "oldest_unforwarded_seconds": s.oldest_unforwarded_seconds,
+                "wal_status": s.wal_status,
+                "failover": s.failover,
+                "synced": s.synced,
             })).collect::<Vec<_>>(),
+            "warnings": self.warnings,
         })
     }
 
     /// A table for people.
     pub fn to_table(&self) -> String {
         let mut out = format!(
-            "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12}\n",
+            "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12} {:<10} {:<8}\n",
             "slot",
             "active",
             "caught_up",
@@ -96,12 +132,20 @@ impl Status {
             "lag_bytes",
             "retained_wal",
             "unforwarded",
-            "oldest_age_s"
+            "oldest_age_s",
+            "wal_status",
+            "failover"
         );
         let show = |v: Option<i64>| v.map_or("-".to_owned(), |v| v.to_string());
         for s in &self.slots {
+            let failover = match (s.failover, s.synced) {
+                (None, _) => "-",
+                (Some(false), _) => "no",
+                (Some(true), Some(true)) => "synced",
+                (Some(true), _) => "yes",
+            };
             out.push_str(&format!(
-                "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12}\n",
+                "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12} {:<10} {:<8}\n",
                 s.slot,
                 s.active,
                 s.caught_up,
@@ -111,10 +155,23 @@ impl Status {
                 show(s.unforwarded_events),
                 s.oldest_unforwarded_seconds
                     .map_or("-".to_owned(), |v| format!("{v:.1}")),
+                s.wal_status.as_deref().unwrap_or("-"),
+                failover,
             ));
         }
         if let Some(offset) = &self.stored_offset {
             out.push_str(&format!("stored offset (exactly-once): {offset}\n"));
+            match &self.stored_horizon {
+                Some((snapshot, listed)) => out.push_str(&format!(
+                    "stored horizon: snapshot {snapshot} and {listed} listed transactions (what a lost slot's catch-up leaves out)\n"
+                )),
+                None => out.push_str(
+                    "stored horizon: none yet (a lost slot's catch-up would repeat events since the last safe snapshot)\n",
+                ),
+            }
+        }
+        for warning in &self.warnings {
+            out.push_str(&format!("warning: {warning}\n"));
         }
         out
     }

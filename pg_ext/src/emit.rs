@@ -656,6 +656,9 @@ fn newest_value(
             heap.relation,
             index.relation,
             snapshot.0,
+            // PostgreSQL 18 counts index searches for EXPLAIN here; none asked.
+            #[cfg(feature = "pg18")]
+            std::ptr::null_mut(),
             2,
             0,
         ));
@@ -872,7 +875,7 @@ fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
     // descriptor has the EVENT_COLUMNS, which values and nulls fill.
     unsafe {
         let desc = (*rel.relation).rd_att;
-        let attrs = (*desc).attrs.as_slice(EVENT_COLUMNS.len());
+        let attrs = attributes(desc, EVENT_COLUMNS.len());
         if attrs
             .iter()
             .zip(nulls)
@@ -920,6 +923,14 @@ fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
     true
 }
 
+/// Whether an emit on today's `outbox.events` takes [`insert_direct`]: for
+/// the tests, since either way the row is stored.
+#[cfg(any(test, feature = "pg_test"))]
+pub(crate) fn takes_direct_insert() -> bool {
+    let rel = Opened::table(catalog().events.table, pg_sys::AccessShareLock);
+    plain_table(&rel) && open_plain_indexes(&rel).is_some()
+}
+
 /// Whether the table is the plain events table of [`EVENT_COLUMNS`].
 fn plain_table(rel: &Opened) -> bool {
     // SAFETY: the relation is open: its relcache entry, descriptor,
@@ -929,7 +940,7 @@ fn plain_table(rel: &Opened) -> bool {
         let desc = (*rel.relation).rd_att;
         let constraints = (*desc).constr;
         let triggers = (*rel.relation).trigdesc;
-        let attrs = (*desc).attrs.as_slice((*desc).natts as usize);
+        let attrs = attributes(desc, (*desc).natts as usize);
         class.relkind == pg_sys::RELKIND_RELATION as std::ffi::c_char
             && !class.relhasrules
             && !class.relforcerowsecurity
@@ -950,6 +961,32 @@ fn plain_table(rel: &Opened) -> bool {
                     && std::slice::from_raw_parts(a.attname.data.as_ptr().cast::<u8>(), name.len())
                         == name
             })
+    }
+}
+
+/// The first `n` attributes of a tuple descriptor (TupleDescAttr). Before
+/// PostgreSQL 18 they are its `attrs` array; from 18 on they follow its
+/// `compact_attrs`, one per attribute.
+///
+/// # Safety
+/// `desc` is a valid descriptor with at least `n` attributes that outlives
+/// the slice.
+unsafe fn attributes<'a>(desc: pg_sys::TupleDesc, n: usize) -> &'a [pg_sys::FormData_pg_attribute] {
+    #[cfg(not(feature = "pg18"))]
+    // SAFETY: as the caller promises; attrs holds natts entries.
+    unsafe {
+        (*desc).attrs.as_slice(n)
+    }
+    #[cfg(feature = "pg18")]
+    // SAFETY: as the caller promises; TupleDescAttr's layout in
+    // tupdesc.h: natts CompactAttributes, then natts attributes.
+    unsafe {
+        let first = (*desc)
+            .compact_attrs
+            .as_ptr()
+            .add((*desc).natts as usize)
+            .cast::<pg_sys::FormData_pg_attribute>();
+        std::slice::from_raw_parts(first, n)
     }
 }
 

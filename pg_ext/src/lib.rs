@@ -151,6 +151,20 @@ mod tests {
         (id.expect("event id"), seq.expect("sequence"))
     }
 
+    /// The table the extension creates is the one its executor-free
+    /// insert writes, on every PostgreSQL version built for (their tuple
+    /// descriptors differ).
+    #[pg_test]
+    fn the_extensions_own_table_takes_the_direct_insert() {
+        assert!(crate::emit::takes_direct_insert());
+        Spi::run("CREATE TRIGGER count_inserts BEFORE INSERT ON outbox.events FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()")
+            .expect("a trigger");
+        assert!(
+            !crate::emit::takes_direct_insert(),
+            "a trigger sends the insert the SQL way"
+        );
+    }
+
     #[pg_test]
     fn sequences_start_at_one_and_count_per_aggregate() {
         assert_eq!(emit("order", "o-1").1, 1);

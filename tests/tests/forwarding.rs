@@ -4,8 +4,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    committed_events, emit, free_port, http_get, parse_metrics, wait_until, Forwarder, Reader,
-    TestDb,
+    committed_events, emit, free_port, http_get, parse_metrics, server_version, wait_until,
+    Forwarder, Reader, TestDb,
 };
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -217,4 +217,59 @@ async fn every_committed_event_survives_a_forwarder_killed_mid_stream() {
 
     restarted.kill9().await;
     db.drop().await;
+}
+
+/// A URL may name several hosts, as libpq's does; the forwarder streams from
+/// the one that answers as the primary, here the second: nothing listens on
+/// the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_host_url_streams_from_the_host_that_answers_as_primary() {
+    let db = TestDb::create("multihost").await;
+    let topic = db.create_topic("parcel", 1).await;
+    let url = db
+        .forwarder_url()
+        .replacen("@127.0.0.1:", "@127.0.0.1:1,127.0.0.1:", 1);
+    assert_ne!(url, db.forwarder_url());
+    let args = ["--postgres-url", &url, "--kafka-bootstrap", &db.stack.kafka];
+    let forwarder = Forwarder::spawn_connected(&db, &args, &[]);
+    db.wait_slot_active(WAIT).await;
+
+    let (shipped, _) = emit(&db.admin().await, "parcel", "p-1", "Shipped", "{}").await;
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "the event", |r| {
+            r.iter().any(|r| r.event_id() == shipped)
+        })
+        .await;
+    forwarder.kill9().await;
+    db.drop().await;
+}
+
+/// On PostgreSQL 17 and later the forwarder's slot is a failover slot,
+/// unless it is told otherwise; earlier versions have no such slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_is_a_failover_slot_where_the_server_has_them() {
+    for (args, expected) in [(&[][..], true), (&["--no-failover-slot"][..], false)] {
+        let db = TestDb::create("failover_slot").await;
+        let admin = db.admin().await;
+        let version = server_version(&admin).await;
+        if version < 170000 {
+            eprintln!("not checked on PostgreSQL {version}: failover slots came with 17");
+            db.drop().await;
+            return;
+        }
+        let forwarder = Forwarder::spawn(&db, args);
+        db.wait_slot_active(WAIT).await;
+        let failover: bool = admin
+            .query_one(
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.slot],
+            )
+            .await
+            .expect("the slot")
+            .get(0);
+        assert_eq!(failover, expected, "{args:?}");
+        forwarder.kill9().await;
+        db.drop().await;
+    }
 }

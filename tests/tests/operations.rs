@@ -35,7 +35,14 @@ async fn check_passes_on_a_prepared_database_and_status_parses() {
     let (code, out, _) = run_cli(&["check"], &args).await;
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.lines().count() >= 8 && out.lines().all(|l| l.starts_with("ok")),
+        out.lines().count() >= 9 && out.lines().all(|l| l.starts_with("ok")),
+        "{out}"
+    );
+    assert!(out.lines().any(|l| l.contains("failover")), "{out}");
+    // The stack bounds what a slot may retain.
+    assert!(
+        out.lines()
+            .any(|l| l.contains("retention") && l.contains("max_slot_wal_keep_size 8GB")),
         "{out}"
     );
 
@@ -52,6 +59,8 @@ async fn check_passes_on_a_prepared_database_and_status_parses() {
         .expect("our slot is listed");
     assert_eq!(slot["active"], false);
     assert!(slot["lag_bytes"].as_i64().is_some());
+    assert_eq!(slot["wal_status"], "reserved");
+    assert_eq!(json["warnings"], serde_json::json!([]));
     let (code, table, _) = run_cli(&["status"], &args).await;
     assert_eq!(code, 0);
     assert!(table.contains(&db.slot), "{table}");

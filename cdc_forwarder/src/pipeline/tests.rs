@@ -6,8 +6,13 @@
 //! Checked at every confirmation: Kafka durably holds every event of every
 //! transaction at or before the confirmed position (at-least-once: its
 //! delivery was acknowledged; exactly-once: its Kafka transaction committed).
-//! Checked at the end: every event arrived (exactly-once: once, and every
-//! Kafka transaction holds whole PostgreSQL transactions).
+//! Checked at the end: every event arrived (exactly-once: once, every
+//! Kafka transaction holds whole PostgreSQL transactions, and the horizon in
+//! each offset record holds exactly the transactions up to its offset).
+//!
+//! Transaction ids are not in commit order and have gaps (aborted ones);
+//! exactly-once sessions get marks as PostgreSQL would give them: a snapshot
+//! after some commit, and an insert position a few commits later.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -26,9 +31,11 @@ use crate::routing::Route;
 
 const OFFSETS_TOPIC: &str = "offsets";
 
-/// A PostgreSQL transaction of the history: its events' ids and its commit end.
+/// A PostgreSQL transaction of the history: its id, its events' ids and
+/// its commit end.
 #[derive(Debug, Clone)]
 struct Txn {
+    xid: u64,
     events: Vec<String>,
     end: Lsn,
 }
@@ -36,7 +43,7 @@ struct Txn {
 /// A history of transactions with keepalives between some of them.
 fn history(rng: &mut StdRng) -> Vec<Txn> {
     let mut next_event = 0;
-    (0..rng.random_range(1..40u64))
+    let mut txns = (0..rng.random_range(1..40u64))
         .map(|i| {
             let events = (0..rng.random_range(0..6))
                 .map(|_| {
@@ -45,11 +52,46 @@ fn history(rng: &mut StdRng) -> Vec<Txn> {
                 })
                 .collect();
             Txn {
+                // Every other id aborts; neighbours may commit out of order.
+                xid: 1_000 + 2 * i,
                 events,
                 end: Lsn(100 * (i + 1)),
             }
         })
-        .collect()
+        .collect::<Vec<_>>();
+    for i in 1..txns.len() {
+        if rng.random_bool(0.3) {
+            let xid = txns[i].xid;
+            txns[i].xid = txns[i - 1].xid;
+            txns[i - 1].xid = xid;
+        }
+    }
+    txns
+}
+
+/// A mark as PostgreSQL gives it: the snapshot right after the commit of
+/// `history[after]` (ids up to a few transactions later assigned), and the
+/// insert position read `gap` commits later.
+fn mark(history: &[Txn], after: usize, gap: usize, assigned: usize) -> Mark {
+    let last = history.len() - 1;
+    let xmax = history[..=(after + assigned).min(last)]
+        .iter()
+        .map(|t| t.xid + 1)
+        .max()
+        .unwrap_or(1_000);
+    let mut xip: Vec<u64> = history[after + 1..]
+        .iter()
+        .map(|t| t.xid)
+        .filter(|x| *x < xmax)
+        .collect();
+    xip.sort_unstable();
+    let xmin = xip.first().copied().unwrap_or(xmax);
+    Mark {
+        snapshot: crate::horizon::Snapshot { xmin, xmax, xip },
+        lsn: history[(after + gap).min(last)].end,
+        exact: false,
+        origin: "1/00000001".into(),
+    }
 }
 
 fn event(id: &str) -> OutboxEvent {
@@ -227,7 +269,7 @@ impl Offsets for MemoryOffsets {
         Ok(())
     }
 
-    async fn stored(&self) -> Result<Option<Lsn>> {
+    async fn stored(&self) -> Result<Option<offsets::Stored>> {
         let world = self.0.lock().expect("the world");
         Ok(world
             .durable
@@ -264,7 +306,9 @@ impl MemorySource {
             if Lsn(txn.end.0 - 10) < skip_before {
                 continue;
             }
-            changes.push_back(Change::Begin);
+            changes.push_back(Change::Begin {
+                xid: txn.xid as u32,
+            });
             changes.extend(txn.events.iter().map(|id| Change::Event(event(id))));
             changes.push_back(Change::Commit {
                 end_lsn: txn.end,
@@ -383,6 +427,41 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
             let mut sink =
                 Transactional::new(out, MemoryOffsets(world.clone()), batching, metrics.clone());
             let stored = sink.claim().await.expect("memory offsets");
+            // Marks from the first commit not in Kafka on. Without a horizon
+            // in Kafka, the first one may be taken while transactions Kafka
+            // holds are still in progress (their commit records written
+            // before they became visible, as under synchronous replication).
+            let claimed_horizon = MemoryOffsets(world.clone())
+                .stored()
+                .await
+                .expect("memory offsets")
+                .and_then(|s| s.horizon);
+            {
+                let w = world.lock().expect("the world");
+                let from = w
+                    .history
+                    .iter()
+                    .position(|t| Some(t.end) > stored)
+                    .unwrap_or(w.history.len());
+                let mut at = from.saturating_sub(1);
+                if claimed_horizon.is_none() && at > 0 && rng.random_bool(0.5) {
+                    // The floor, and a mark while one of those is still in progress.
+                    let back = rng.random_range(1..=at.min(3));
+                    for after in [at - back, at - rng.random_range(1..=back)] {
+                        let assigned = back + rng.random_range(0..3);
+                        sink.mark(mark(&w.history, after, 0, assigned));
+                    }
+                }
+                while at < w.history.len() && rng.random_bool(0.7) {
+                    sink.mark(mark(
+                        &w.history,
+                        at,
+                        rng.random_range(0..3),
+                        rng.random_range(0..4),
+                    ));
+                    at += rng.random_range(1..6);
+                }
+            }
             let mut source =
                 MemorySource::new(&world, stored.unwrap_or(Lsn::ZERO), stop_after, stop);
             if let Some(stored) = stored.filter(|s| *s > source.confirmed) {
@@ -393,7 +472,7 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
                 &mut sink,
                 &mut shutdown,
                 &metrics,
-                async |_| Ok(()),
+                async |_| Ok(None),
             )
             .await;
             if let Err(error) = &outcome {
@@ -408,7 +487,7 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
                 &mut sink,
                 &mut shutdown,
                 &metrics,
-                async |_| Ok(()),
+                async |_| Ok(None),
             )
             .await
         };
@@ -456,7 +535,21 @@ fn check(seed: u64, world: &World) {
         for records in &world.kafka_txns {
             let (topic, value) = records.last().expect("never empty");
             assert_eq!(topic, OFFSETS_TOPIC, "seed {seed}: {records:?}");
-            let offset = offsets::decode(value.as_bytes()).expect("offset");
+            let stored = offsets::decode(value.as_bytes()).expect("offset");
+            let offset = stored.lsn;
+            if let Some(horizon) = &stored.horizon {
+                // A transaction without events may be confirmed to the slot
+                // without Kafka: no event row asks about it.
+                for t in world.history.iter().filter(|t| !t.events.is_empty()) {
+                    assert_eq!(
+                        horizon.holds(t.xid),
+                        t.end <= offset,
+                        "seed {seed}: horizon {horizon:?} at {offset} and transaction {} of {}",
+                        t.xid,
+                        t.end
+                    );
+                }
+            }
             for (_, id) in &records[..records.len() - 1] {
                 let end = owner[id.as_str()];
                 assert!(

@@ -64,7 +64,7 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
         Ok(None)
     }
 
-    fn begin(&mut self) {
+    fn begin(&mut self, _xid: Option<u32>) {
         self.ledger.begin();
     }
 

@@ -24,6 +24,7 @@ use super::at_least_once::Tagged;
 use super::{count_released, unix_micros, Publisher, Sink};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
+use crate::horizon::{Horizon, Mark, Tracker};
 use crate::ledger::{Ledger, TxnId};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
@@ -66,7 +67,7 @@ struct Committing {
 #[allow(clippy::large_enum_variant)]
 enum Item {
     Event(TxnId, OutboxEvent),
-    Commit(TxnId, Lsn),
+    Commit(TxnId, Lsn, Option<u32>),
 }
 
 /// What [`Sink::wait`] found.
@@ -85,6 +86,10 @@ pub struct Transactional<K: Kafka, O> {
     initialized: bool,
     /// The offset Kafka holds.
     stored: Lsn,
+    /// The transactions put into Kafka transactions, by id.
+    tracker: Tracker,
+    /// The id of the PostgreSQL transaction being read.
+    xid: Option<u32>,
     batch: Option<Batch>,
     committing: Option<Committing>,
     /// Empty whenever no commit is in flight.
@@ -106,6 +111,8 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             ledger: Ledger::default(),
             initialized: false,
             stored: Lsn::ZERO,
+            tracker: Tracker::default(),
+            xid: None,
             batch: None,
             committing: None,
             buffer: VecDeque::new(),
@@ -151,7 +158,10 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
     }
 
     /// A PostgreSQL commit reached the Kafka side.
-    fn close(&mut self, txn: TxnId, end: Lsn) {
+    fn close(&mut self, txn: TxnId, end: Lsn, xid: Option<u32>) {
+        if let Some(xid) = xid {
+            self.tracker.add(xid);
+        }
         match &mut self.batch {
             Some(batch) => {
                 batch.complete.push(txn);
@@ -224,9 +234,9 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
                     self.buffered_bytes -= event.size();
                     self.send(txn, event).await?;
                 }
-                Item::Commit(txn, end) => {
+                Item::Commit(txn, end, xid) => {
                     self.buffered_commits -= 1;
-                    self.close(txn, end);
+                    self.close(txn, end, xid);
                     if self.due() {
                         return self.start_commit().await;
                     }
@@ -236,15 +246,14 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         Ok(())
     }
 
-    /// Adds the offset record of `position` to the open Kafka transaction.
-    /// Its delivery is the commit's: dropping the report loses nothing.
-    async fn send_offset(&self, position: Lsn) -> Result<()> {
+    /// Adds the offset record of `position` to the open Kafka transaction,
+    /// with the horizon as of that position. Its delivery is the commit's:
+    /// dropping the report loses nothing.
+    async fn send_offset(&mut self, position: Lsn) -> Result<()> {
+        self.tracker.advance(position);
+        let value = offsets::encode(position, self.tracker.horizon().as_ref());
         let (topic, key) = self.offsets.address();
-        let _report = self
-            .out
-            .kafka
-            .send_raw(topic, key, &offsets::encode(position))
-            .await?;
+        let _report = self.out.kafka.send_raw(topic, key, &value).await?;
         Ok(())
     }
 
@@ -270,6 +279,10 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     async fn claim(&mut self) -> Result<Option<Lsn>> {
         self.initialize().await?;
         let stored = self.offsets.stored().await?;
+        if self.ledger.is_settled() {
+            self.tracker = Tracker::starting_at(stored.as_ref().and_then(|s| s.horizon.clone()));
+        }
+        let stored = stored.map(|s| s.lsn);
         if let Some(stored) = stored {
             self.stored = self.stored.max(stored);
             if self.ledger.is_settled() {
@@ -279,9 +292,10 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         Ok(stored)
     }
 
-    fn begin(&mut self) {
+    fn begin(&mut self, xid: Option<u32>) {
         let txn = self.ledger.begin();
         self.ledger.hold(txn);
+        self.xid = xid;
     }
 
     async fn event(&mut self, event: OutboxEvent) -> Result<()> {
@@ -302,12 +316,13 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             return Ok(());
         };
         self.ledger.commit(txn, end_lsn, commit_time_micros);
+        let xid = self.xid.take();
         if self.committing.is_some() {
             self.buffered_commits += 1;
-            self.buffer.push_back(Item::Commit(txn, end_lsn));
+            self.buffer.push_back(Item::Commit(txn, end_lsn, xid));
             return Ok(());
         }
-        self.close(txn, end_lsn);
+        self.close(txn, end_lsn, xid);
         if self.due() {
             self.start_commit().await?;
         }
@@ -369,6 +384,14 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         let now = unix_micros();
         let metrics = &self.metrics;
         self.ledger.confirm(|r| count_released(metrics, now, r))
+    }
+
+    fn mark(&mut self, mark: Mark) {
+        self.tracker.mark(mark);
+    }
+
+    fn delivered(&self) -> Option<Horizon> {
+        self.tracker.horizon()
     }
 
     async fn finish(&mut self) -> Result<()> {

@@ -1,10 +1,15 @@
 //! The fault campaign: writers emit to shared aggregates while the forwarder
 //! is crashed at its fault points, killed at random, fenced by a zombie's
-//! successor, and PostgreSQL and Kafka restart under it. An independent
-//! verifier then compares `outbox.events` with what a read_committed consumer
-//! received.
+//! successor, has its slot dropped, and PostgreSQL and Kafka restart under
+//! it. An independent verifier then compares `outbox.events` with what a
+//! read_committed consumer received.
 //!
-//! fault-campaign [--faults N] [--mode exactly-once|at-least-once] [--seed S]
+//! fault-campaign [--faults N] [--mode exactly-once|at-least-once] [--seed S] [--failover]
+//!
+//! --failover runs on a primary and standby of the campaign's own and adds
+//! primary failovers (SIGKILL of the primary, promotion of the standby, a
+//! new standby where the old primary was): in exactly-once mode it needs
+//! PostgreSQL 17 or later, whose failover slots carry the forwarder's slot.
 //!
 //! Needs the stack's environment (PGURL, FORWARDER_PGURL, KAFKA_BOOTSTRAP).
 //! Exits 1 on any loss, phantom or order violation, and on any duplicate in
@@ -16,8 +21,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pg_outbox_tests::pair::Pair;
 use pg_outbox_tests::{
-    committed_events, stack_command, verdict, with_database, Forwarder, Reader, Record, TestDb,
+    committed_events, server_version, stack_command, verdict, with_database, Edition, Forwarder,
+    Reader, Record, TestDb,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -39,11 +46,19 @@ enum Fault {
     PgFast,
     PgImmediate,
     Broker,
+    /// The slot is dropped under the forwarder (its walsender terminated).
+    SlotLost,
+    /// The primary is killed and its standby promoted (with `--failover`).
+    Failover,
 }
 
-fn pick(rng: &mut StdRng) -> Fault {
+fn pick(rng: &mut StdRng, failover: bool) -> Fault {
+    if failover && rng.random_range(0..10) == 0 {
+        return Fault::Failover;
+    }
     match rng.random_range(0..100) {
-        0..50 => Fault::Point(POINTS[rng.random_range(0..POINTS.len())]),
+        0..46 => Fault::Point(POINTS[rng.random_range(0..POINTS.len())]),
+        46..50 => Fault::SlotLost,
         50..70 => Fault::Kill,
         70..80 => Fault::Zombie,
         80..86 => Fault::PgFast,
@@ -56,6 +71,7 @@ struct Args {
     faults: usize,
     exactly_once: bool,
     seed: u64,
+    failover: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -63,12 +79,14 @@ fn parse_args() -> Result<Args, String> {
         faults: 50,
         exactly_once: true,
         seed: rand::rng().random(),
+        failover: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         match flag.as_str() {
             "--faults" => args.faults = value()?.parse().map_err(|_| "--faults takes a number")?,
+            "--failover" => args.failover = true,
             "--seed" => args.seed = value()?.parse().map_err(|_| "--seed takes a number")?,
             "--mode" => {
                 args.exactly_once = match value()?.as_str() {
@@ -176,7 +194,20 @@ async fn main() -> ExitCode {
     );
 
     let began = Instant::now();
-    let db = TestDb::create("campaign").await;
+    let mut pair = args.failover.then(Pair::up);
+    let db = match &pair {
+        Some(pair) => TestDb::create_on("campaign", Edition::Extension, pair.as_stack()).await,
+        None => TestDb::create("campaign").await,
+    };
+    let version = server_version(&db.admin().await).await;
+    if pair.is_some() && args.exactly_once && version < 170000 {
+        eprintln!(
+            "fault-campaign: --failover in exactly-once mode needs PostgreSQL 17 or later (this is {}): without failover slots the new primary's catch-up repeats the last second or two; use --mode at-least-once",
+            version / 10000
+        );
+        db.drop().await;
+        return ExitCode::from(2);
+    }
     let topic = db.create_topic("campaign", 3).await;
     let mut forwarder = Forwarder::spawn(&db, mode);
 
@@ -231,15 +262,30 @@ async fn main() -> ExitCode {
     // Peak retained WAL of the slot, sampled throughout.
     let peak_wal = Arc::new(AtomicUsize::new(0));
     let sampler = {
-        let (admin, slot, peak, reading) = (
-            db.admin().await,
+        let (url, slot, peak, reading) = (
+            with_database(&db.stack.admin_url, &db.name),
             db.slot.clone(),
             peak_wal.clone(),
             reading.clone(),
         );
         tokio::spawn(async move {
+            let mut admin: Option<tokio_postgres::Client> = None;
             while reading.load(Ordering::Relaxed) {
-                if let Ok(Some(row)) = admin
+                // Reconnects after restarts and failovers.
+                if admin.as_ref().is_none_or(|c| c.is_closed()) {
+                    admin = match tokio_postgres::connect(&url, NoTls).await {
+                        Ok((c, conn)) => {
+                            tokio::spawn(conn);
+                            Some(c)
+                        }
+                        Err(_) => None,
+                    };
+                }
+                let Some(client) = &admin else {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                    continue;
+                };
+                if let Ok(Some(row)) = client
                     .query_opt(
                         "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
                         &[&slot],
@@ -273,7 +319,7 @@ async fn main() -> ExitCode {
     for n in 1..=args.faults {
         // Let the stream run a little, for random timing.
         tokio::time::sleep(Duration::from_millis(rng.random_range(50..600))).await;
-        let fault = pick(&mut rng);
+        let fault = pick(&mut rng, pair.is_some());
         let before = count.load(Ordering::Relaxed);
         let injected = Instant::now();
         match fault {
@@ -314,9 +360,29 @@ async fn main() -> ExitCode {
                 tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
                 zombie.kill9().await;
             }
-            Fault::PgFast => stack_command(&["restart-pg", "fast"]),
-            Fault::PgImmediate => stack_command(&["restart-pg", "immediate"]),
+            Fault::PgFast | Fault::PgImmediate => {
+                let how = if matches!(fault, Fault::PgFast) {
+                    "fast"
+                } else {
+                    "immediate"
+                };
+                match &pair {
+                    Some(pair) => pair.stack(&["restart-pg", how]),
+                    None => stack_command(&["restart-pg", how]),
+                }
+            }
             Fault::Broker => stack_command(&["restart-kafka"]),
+            Fault::SlotLost => db.lose_slot().await,
+            Fault::Failover => {
+                let pair = pair.as_mut().expect("failovers run on a pair");
+                if version >= 170000 {
+                    // As an operator promotes: a standby that holds the slot.
+                    pair.wait_slot_synced(&db, Duration::from_secs(90)).await;
+                }
+                pair.kill_primary();
+                pair.promote();
+                pair.standby_up();
+            }
         }
         let name = match fault {
             Fault::Point(p) => format!("crash at {p}"),
@@ -386,6 +452,7 @@ async fn main() -> ExitCode {
 
     forwarder.kill9().await;
     db.drop().await;
+    drop(pair.take());
     let failed = v.lost > 0
         || phantoms > 0
         || v.order_violations > 0
