@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{connect, free_port, stack_command_with, unique, wait_until, Stack, TestDb};
+use crate::{free_port, stack_command_with, unique, wait_until, with_database, Stack, TestDb};
 
 struct Node {
     data: PathBuf,
@@ -123,16 +123,29 @@ impl Pair {
     /// running-transactions record the standby replayed; writers must be
     /// running, and this asks the primary for such records.
     pub async fn wait_slot_synced(&self, db: &TestDb, timeout: Duration) {
-        let primary = db.admin().await;
-        let standby = connect(&format!(
+        let standby_url = format!(
             "postgres://postgres:postgres@127.0.0.1:{}/postgres?sslmode=disable",
             self.standby().port
-        ))
-        .await;
+        );
+        // Fresh connections each round: either node may be restarting.
         wait_until(timeout, "a usable copy of the slot on the standby", || async {
-            let _ = primary
-                .batch_execute("SELECT pg_log_standby_snapshot()")
-                .await;
+            if let Ok((primary, connection)) = tokio_postgres::connect(
+                &with_database(&db.stack.admin_url, &db.name),
+                tokio_postgres::NoTls,
+            )
+            .await
+            {
+                tokio::spawn(connection);
+                let _ = primary
+                    .batch_execute("SELECT pg_log_standby_snapshot()")
+                    .await;
+            }
+            let Ok((standby, connection)) =
+                tokio_postgres::connect(&standby_url, tokio_postgres::NoTls).await
+            else {
+                return false;
+            };
+            tokio::spawn(connection);
             matches!(
                 standby
                     .query_opt(

@@ -321,7 +321,7 @@ async fn main() -> ExitCode {
         tokio::time::sleep(Duration::from_millis(rng.random_range(50..600))).await;
         let fault = pick(&mut rng, pair.is_some());
         let before = count.load(Ordering::Relaxed);
-        let injected = Instant::now();
+        let mut injected = Instant::now();
         match fault {
             Fault::Point(point) => {
                 forwarder.kill9().await;
@@ -379,9 +379,9 @@ async fn main() -> ExitCode {
                     // As an operator promotes: a standby that holds the slot.
                     pair.wait_slot_synced(&db, Duration::from_secs(90)).await;
                 }
+                injected = Instant::now();
                 pair.kill_primary();
                 pair.promote();
-                pair.standby_up();
             }
         }
         let name = match fault {
@@ -398,6 +398,10 @@ async fn main() -> ExitCode {
                 eprintln!("fault {n} ({name}): no progress within 90 s");
                 max_recovery = Duration::from_secs(90);
             }
+        }
+        if let (Fault::Failover, Some(pair)) = (fault, &pair) {
+            // A new standby where the old primary was, for the next one.
+            pair.standby_up();
         }
         if n % 10 == 0 {
             println!(
