@@ -100,13 +100,18 @@ pub fn with_database(url: &str, db: &str) -> String {
 }
 
 pub async fn connect(url: &str) -> Client {
-    let (client, connection) = tokio_postgres::connect(url, NoTls)
+    try_connect(url)
         .await
-        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL: {e}"));
+        .unwrap_or_else(|e| panic!("cannot connect to PostgreSQL: {e}"))
+}
+
+/// A connection, or why there is none (a server that is restarting).
+pub async fn try_connect(url: &str) -> Result<Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await?;
     tokio::spawn(async move {
         let _closed = connection.await;
     });
-    client
+    Ok(client)
 }
 
 /// Which edition of the outbox the tests install: the extension, or with

@@ -7,7 +7,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::{free_port, stack_command_with, unique, wait_until, with_database, Stack, TestDb};
+use crate::{
+    free_port, stack_command_with, try_connect, unique, wait_until, with_database, Stack, TestDb,
+};
 
 struct Node {
     data: PathBuf,
@@ -129,23 +131,16 @@ impl Pair {
         );
         // Fresh connections each round: either node may be restarting.
         wait_until(timeout, "a usable copy of the slot on the standby", || async {
-            if let Ok((primary, connection)) = tokio_postgres::connect(
-                &with_database(&db.stack.admin_url, &db.name),
-                tokio_postgres::NoTls,
-            )
-            .await
+            if let Ok(primary) =
+                try_connect(&with_database(&db.stack.admin_url, &db.name)).await
             {
-                tokio::spawn(connection);
                 let _ = primary
                     .batch_execute("SELECT pg_log_standby_snapshot()")
                     .await;
             }
-            let Ok((standby, connection)) =
-                tokio_postgres::connect(&standby_url, tokio_postgres::NoTls).await
-            else {
+            let Ok(standby) = try_connect(&standby_url).await else {
                 return false;
             };
-            tokio::spawn(connection);
             matches!(
                 standby
                     .query_opt(

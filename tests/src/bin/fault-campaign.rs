@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use pg_outbox_tests::pair::Pair;
 use pg_outbox_tests::{
-    committed_events, server_version, stack_command, verdict, with_database, Edition, Forwarder,
-    Reader, Record, TestDb,
+    committed_events, server_version, stack_command, try_connect, verdict, with_database, Edition,
+    Forwarder, Reader, Record, TestDb,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -273,13 +273,7 @@ async fn main() -> ExitCode {
             while reading.load(Ordering::Relaxed) {
                 // Reconnects after restarts and failovers.
                 if admin.as_ref().is_none_or(|c| c.is_closed()) {
-                    admin = match tokio_postgres::connect(&url, NoTls).await {
-                        Ok((c, conn)) => {
-                            tokio::spawn(conn);
-                            Some(c)
-                        }
-                        Err(_) => None,
-                    };
+                    admin = try_connect(&url).await.ok();
                 }
                 let Some(client) = &admin else {
                     tokio::time::sleep(Duration::from_millis(250)).await;
