@@ -10,7 +10,7 @@ use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 
-use crate::config::Config;
+use crate::config::{Config, SourceKind};
 use crate::slot::{self, Severity};
 
 /// The outcome of one check.
@@ -110,33 +110,36 @@ async fn postgres(config: &Config) -> Vec<Check> {
         format!("connected to {target} {tls}"),
     )];
 
-    checks.push(match one("SHOW wal_level").await {
-        Ok(row) if row.get::<_, String>(0) == "logical" => Check::ok("wal_level", "logical"),
-        Ok(row) => Check::fail(
-            "wal_level",
-            format!(
-                "is {}; set wal_level = logical in postgresql.conf and restart PostgreSQL",
-                row.get::<_, String>(0)
-            ),
-        ),
-        Err(e) => Check::fail("wal_level", e.to_string()),
-    });
-    checks.push(
-        match one("SELECT rolreplication FROM pg_roles WHERE rolname = current_user").await {
-            Ok(row) if row.get::<_, bool>(0) => {
-                Check::ok("replication", "the role has the REPLICATION attribute")
-            }
-            Ok(_) => Check::fail(
-                "replication",
+    let slot_source = config.source == SourceKind::Slot;
+    if slot_source {
+        checks.push(match one("SHOW wal_level").await {
+            Ok(row) if row.get::<_, String>(0) == "logical" => Check::ok("wal_level", "logical"),
+            Ok(row) => Check::fail(
+                "wal_level",
                 format!(
-                    "role {} lacks REPLICATION; run ALTER ROLE {} REPLICATION",
-                    config.postgres.user(),
-                    config.postgres.user()
+                    "is {}; set wal_level = logical in postgresql.conf and restart PostgreSQL",
+                    row.get::<_, String>(0)
                 ),
             ),
-            Err(e) => Check::fail("replication", e.to_string()),
-        },
-    );
+            Err(e) => Check::fail("wal_level", e.to_string()),
+        });
+        checks.push(
+            match one("SELECT rolreplication FROM pg_roles WHERE rolname = current_user").await {
+                Ok(row) if row.get::<_, bool>(0) => {
+                    Check::ok("replication", "the role has the REPLICATION attribute")
+                }
+                Ok(_) => Check::fail(
+                    "replication",
+                    format!(
+                        "role {} lacks REPLICATION; run ALTER ROLE {} REPLICATION",
+                        config.postgres.user(),
+                        config.postgres.user()
+                    ),
+                ),
+                Err(e) => Check::fail("replication", e.to_string()),
+            },
+        );
+    }
     // The extension, or the SQL edition, which marks its version in the
     // schema's comment.
     let outbox = one(
@@ -165,6 +168,10 @@ async fn postgres(config: &Config) -> Vec<Check> {
             Err(e) => Check::fail("privileges", format!("{e}; is the extension installed?")),
         },
     );
+    if !slot_source {
+        checks.push(polling(&client).await);
+        return checks;
+    }
     checks.push(
         match slot::publication_exists(&client, &config.publication).await {
             Ok(true) => Check::ok("publication", format!("{} exists", config.publication)),
@@ -221,6 +228,37 @@ async fn postgres(config: &Config) -> Vec<Check> {
     });
     checks.push(failover(&client, config).await);
     checks
+}
+
+/// Polling relays: polling is on, with what is pending.
+async fn polling(client: &tokio_postgres::Client) -> Check {
+    match client
+        .query_one(
+            "SELECT enabled, pending_events, leases_held FROM outbox.poll_status()",
+            &[],
+        )
+        .await
+    {
+        Ok(row) if row.get::<_, bool>(0) => Check::ok(
+            "polling",
+            format!(
+                "enabled; {} events pending, {} aggregates leased",
+                row.get::<_, i64>(1),
+                row.get::<_, i64>(2)
+            ),
+        ),
+        Ok(_) => Check::fail(
+            "polling",
+            "off; run SELECT outbox.enable_polling(); as the outbox's owner",
+        ),
+        Err(e) => Check::fail(
+            "polling",
+            format!(
+                "{}; polling needs pg_outbox 0.5.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again)",
+                crate::error::describe_postgres(&e)
+            ),
+        ),
+    }
 }
 
 /// Whether the slot survives a promotion of a standby: on 17 and later a

@@ -326,9 +326,60 @@ pub enum Delivery {
     ExactlyOnce,
 }
 
+/// Where events are read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SourceKind {
+    /// A logical replication slot (pgoutput): commit order, no polling.
+    Slot,
+    /// Polling relays that lease aggregates and publish their pending
+    /// events (outbox.enable_polling()), for databases without a slot.
+    Poll,
+}
+
+/// How a polling relay works (`--source poll`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PollSettings {
+    /// This relay's name in its leases; unique among running relays.
+    pub relay: String,
+    /// How long a relay waits when it found nothing pending.
+    pub interval: Duration,
+    /// How long a lease lasts without renewal: a killed relay's aggregates
+    /// are taken over after it.
+    pub lease: Duration,
+    /// Events fetched at a time.
+    pub max_events: usize,
+    /// Aggregates one relay leases at a time.
+    pub max_aggregates: usize,
+}
+
+impl Default for PollSettings {
+    fn default() -> Self {
+        PollSettings {
+            relay: format!("{}:{}", hostname(), std::process::id()),
+            interval: Duration::from_millis(100),
+            lease: Duration::from_secs(5),
+            max_events: 1_000,
+            max_aggregates: 100,
+        }
+    }
+}
+
+/// The host's name, for relay names; "relay" when it cannot be read.
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "relay".to_owned())
+}
+
 /// Everything `outbox-forwarder run` needs.
 #[derive(Debug, Clone)]
 pub struct Config {
+    /// The replication slot, or polling relays.
+    pub source: SourceKind,
+    /// Used with [`SourceKind::Poll`].
+    pub poll: PollSettings,
     pub postgres: PgTarget,
     pub kafka_bootstrap: String,
     pub slot: String,
@@ -517,6 +568,8 @@ impl std::fmt::Debug for KafkaProperties {
 impl Config {
     pub fn new(postgres_url: &str, kafka_bootstrap: &str) -> Result<Self> {
         let config = Config {
+            source: SourceKind::Slot,
+            poll: PollSettings::default(),
             postgres: PgTarget::parse(postgres_url)?,
             kafka_bootstrap: kafka_bootstrap.to_owned(),
             slot: "pg_outbox".into(),
@@ -595,6 +648,32 @@ impl Config {
 
     pub fn validate(&self) -> Result<()> {
         self.kafka_security.validate()?;
+        if self.source == SourceKind::Poll {
+            if self.delivery == Delivery::ExactlyOnce {
+                return Err(Error::Config(
+                    "--source poll delivers at least once; exactly-once needs the slot (--source slot)".into(),
+                ));
+            }
+            let poll = &self.poll;
+            if poll.relay.is_empty() || poll.relay.len() > 255 {
+                return Err(Error::Config(
+                    "relay_name must be 1 to 255 characters".into(),
+                ));
+            }
+            if poll.max_events == 0 || poll.max_aggregates == 0 || poll.lease.is_zero() {
+                return Err(Error::Config(
+                    "poll_max_events, poll_max_aggregates and poll_lease_ms must be at least 1"
+                        .into(),
+                ));
+            }
+            if poll.interval >= poll.lease / 3 {
+                return Err(Error::Config(format!(
+                    "poll_interval_ms ({} ms) must be under a third of poll_lease_ms ({} ms), so that leases are renewed in time",
+                    poll.interval.as_millis(),
+                    poll.lease.as_millis()
+                )));
+            }
+        }
         let security = self
             .kafka_security
             .properties()

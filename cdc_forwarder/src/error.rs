@@ -44,6 +44,11 @@ pub enum Error {
     #[error("fenced: another forwarder instance took over transactional id {0}; this one stops producing")]
     Fenced(String),
 
+    /// A polling relay could not renew its leases in time: it stops
+    /// publishing, and starts again with fresh leases.
+    #[error("polling relay {0} lost its leases (not renewed before they expired)")]
+    LeaseLost(String),
+
     /// An event that cannot be delivered; it is never skipped silently.
     #[error("event {event_id} cannot be delivered: {reason}")]
     Poison { event_id: String, reason: String },
@@ -87,7 +92,9 @@ impl Error {
                 None => true,
             },
             Error::Replication(e) => !e.is_auth(),
-            Error::Kafka(_) | Error::SlotBusy(_) | Error::NoPrimary(_) => true,
+            Error::Kafka(_) | Error::SlotBusy(_) | Error::NoPrimary(_) | Error::LeaseLost(_) => {
+                true
+            }
         }
     }
 
@@ -104,6 +111,7 @@ impl Error {
             Error::SlotBusy(_) => "slot_busy",
             Error::NoPrimary(_) => "no_primary",
             Error::Fenced(_) => "fenced",
+            Error::LeaseLost(_) => "lease_lost",
             Error::Poison { .. } => "poison",
         }
     }

@@ -15,6 +15,7 @@ pub mod offsets;
 pub mod options;
 pub mod pgoutput;
 pub mod pipeline;
+pub mod poll;
 pub mod producer;
 pub mod replay;
 pub mod replication;

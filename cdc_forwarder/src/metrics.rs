@@ -43,6 +43,16 @@ pub struct Metrics {
     pub errors: Family<ErrorKind, Counter>,
     pub dead_lettered: Counter,
     pub caught_up_events: Counter,
+    /// Polling (`--source poll`): events no relay has published yet.
+    pub poll_pending_events: Gauge,
+    /// Polling: age of the oldest pending event, in milliseconds.
+    pub poll_oldest_pending_ms: Gauge,
+    /// Polling: aggregates this relay leases.
+    pub poll_leases_held: Gauge,
+    /// Polling: leases past their expiry that no relay took over yet.
+    pub poll_leases_expired: Gauge,
+    /// Polling: expired leases of other relays this relay took over.
+    pub poll_leases_taken_over: Counter,
     state_gauge: Gauge,
     state: AtomicI64,
     /// `/readyz` fails while the lag is above this.
@@ -66,6 +76,11 @@ impl Metrics {
         let errors = Family::<ErrorKind, Counter>::default();
         let dead_lettered = Counter::default();
         let caught_up_events = Counter::default();
+        let poll_pending_events = Gauge::default();
+        let poll_oldest_pending_ms = Gauge::default();
+        let poll_leases_held = Gauge::default();
+        let poll_leases_expired = Gauge::default();
+        let poll_leases_taken_over = Counter::default();
         let state_gauge = Gauge::default();
         registry.register(
             "events_forwarded",
@@ -129,6 +144,31 @@ impl Metrics {
             caught_up_events.clone(),
         );
         registry.register(
+            "poll_pending_events",
+            "Polling: events no relay has published yet (every relay's, read each second)",
+            poll_pending_events.clone(),
+        );
+        registry.register(
+            "poll_oldest_pending_milliseconds",
+            "Polling: age of the oldest pending event",
+            poll_oldest_pending_ms.clone(),
+        );
+        registry.register(
+            "poll_leases_held",
+            "Polling: aggregates this relay leases",
+            poll_leases_held.clone(),
+        );
+        registry.register(
+            "poll_leases_expired",
+            "Polling: leases past their expiry that no relay has taken over yet",
+            poll_leases_expired.clone(),
+        );
+        registry.register(
+            "poll_leases_taken_over",
+            "Polling: expired leases of other relays that this relay took over",
+            poll_leases_taken_over.clone(),
+        );
+        registry.register(
             "state",
             "0 starting, 1 streaming, 2 standby, 3 reconnecting, 4 fenced, 5 stopped",
             state_gauge.clone(),
@@ -148,6 +188,11 @@ impl Metrics {
             errors,
             dead_lettered,
             caught_up_events,
+            poll_pending_events,
+            poll_oldest_pending_ms,
+            poll_leases_held,
+            poll_leases_expired,
+            poll_leases_taken_over,
             state_gauge,
             state: AtomicI64::new(State::Starting as i64),
             ready_max_lag_bytes: i64::try_from(ready_max_lag_bytes).unwrap_or(i64::MAX),

@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use clap::{Args, Command};
 
 use crate::config::{
-    Config, Delivery, KafkaProperties, KafkaProtocol, KafkaSecurity, SaslMechanism,
+    Config, Delivery, KafkaProperties, KafkaProtocol, KafkaSecurity, PollSettings, SaslMechanism,
+    SourceKind,
 };
 use crate::error::{Error, Result};
 use crate::routing::{ValueFormat, DEFAULT_TOPIC_TEMPLATE};
@@ -33,6 +34,29 @@ pub struct Options {
     /// Kafka bootstrap servers, comma-separated host:port.
     #[arg(long, env = "OUTBOX_KAFKA_BOOTSTRAP")]
     pub kafka_bootstrap: Option<String>,
+    /// Where events come from: slot (logical replication, the default) or
+    /// poll (relays that lease aggregates and publish their pending events,
+    /// for databases that cannot have a slot; at least once; needs
+    /// outbox.enable_polling()).
+    #[arg(long, value_enum, ignore_case = true, env = "OUTBOX_SOURCE", default_value_t = SourceKind::Slot)]
+    pub source: SourceKind,
+    /// Polling: this relay's name in its leases, unique among the relays
+    /// (default: host name and process id).
+    #[arg(long, env = "OUTBOX_RELAY_NAME")]
+    pub relay_name: Option<String>,
+    /// Polling: how long a relay that found nothing pending waits.
+    #[arg(long, env = "OUTBOX_POLL_INTERVAL_MS", default_value_t = 100)]
+    pub poll_interval_ms: u64,
+    /// Polling: how long an aggregate's lease lasts unrenewed; another relay
+    /// takes over a stopped relay's aggregates after it.
+    #[arg(long, env = "OUTBOX_POLL_LEASE_MS", default_value_t = 5000)]
+    pub poll_lease_ms: u64,
+    /// Polling: events fetched at a time.
+    #[arg(long, env = "OUTBOX_POLL_MAX_EVENTS", default_value_t = 1000)]
+    pub poll_max_events: usize,
+    /// Polling: aggregates one relay leases at a time.
+    #[arg(long, env = "OUTBOX_POLL_MAX_AGGREGATES", default_value_t = 100)]
+    pub poll_max_aggregates: usize,
     /// Logical replication slot to stream from.
     #[arg(long, env = "OUTBOX_SLOT", default_value = "pg_outbox")]
     pub slot: String,
@@ -127,6 +151,14 @@ impl Options {
         })?;
         let mut config = Config::new(postgres_url, kafka_bootstrap)?;
         config.kafka_properties = kafka_properties.clone();
+        config.source = self.source;
+        config.poll = PollSettings {
+            relay: self.relay_name.unwrap_or(config.poll.relay),
+            interval: std::time::Duration::from_millis(self.poll_interval_ms),
+            lease: std::time::Duration::from_millis(self.poll_lease_ms),
+            max_events: self.poll_max_events,
+            max_aggregates: self.poll_max_aggregates,
+        };
         config.slot = self.slot;
         config.publication = self.publication;
         config.topic_template = self.topic_template;
@@ -301,10 +333,17 @@ mod tests {
             .filter(|r| r.key != KAFKA_PROPERTIES)
             .map(|r| match r.key.as_str() {
                 "no_create" | "no_failover_slot" => format!("{} = true\n", r.key),
-                "batch_max_events" | "batch_linger_ms" | "ready_max_lag_bytes" => {
+                "batch_max_events"
+                | "batch_linger_ms"
+                | "ready_max_lag_bytes"
+                | "poll_interval_ms"
+                | "poll_lease_ms"
+                | "poll_max_events"
+                | "poll_max_aggregates" => {
                     format!("{} = 1\n", r.key)
                 }
                 "delivery" => "delivery = \"exactly_once\"\n".into(),
+                "source" => "source = \"Poll\"\n".into(),
                 "value_format" => "value_format = \"CloudEvents\"\n".into(),
                 "kafka_security_protocol" => "kafka_security_protocol = \"SASL_SSL\"\n".into(),
                 "kafka_sasl_mechanism" => "kafka_sasl_mechanism = \"SCRAM-SHA-512\"\n".into(),

@@ -28,7 +28,7 @@ use rand::Rng;
 use tokio::sync::watch;
 use tokio_postgres::Client;
 
-use crate::config::{Config, Delivery};
+use crate::config::{Config, Delivery, SourceKind};
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
 use crate::faults;
@@ -36,6 +36,7 @@ use crate::horizon::{Mark, ORIGIN_SQL};
 use crate::lsn::Lsn;
 use crate::metrics::{Metrics, State};
 use crate::offsets::OffsetStore;
+use crate::poll::{self, PollSource};
 use crate::producer::{is_fenced, Producer};
 use crate::replication::{CreatedSlot, ReplicationStream};
 use crate::routing::Router;
@@ -140,6 +141,9 @@ async fn session(
         postgres: slot::primary(&config.postgres).await?,
         ..config.clone()
     };
+    if config.source == SourceKind::Poll {
+        return poll_session(config, router, poisoned, metrics, shutdown).await;
+    }
     let sql = slot::connect(&config.postgres).await?;
     slot::prepare(&sql, config).await?;
     faults::check("producer_init");
@@ -179,6 +183,48 @@ async fn session(
             };
             let sink = Transactional::new(out, offsets, batching, metrics.clone());
             session.serve(sink, shutdown).await
+        }
+    }
+}
+
+/// A polling relay's session: the poll source into the at-least-once sink,
+/// until shutdown or an error; on shutdown the relay gives its leases back.
+async fn poll_session(
+    config: &Config,
+    router: &Arc<Router>,
+    poisoned: &HashSet<String>,
+    metrics: &Arc<Metrics>,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<()> {
+    let sql = slot::connect(&config.postgres).await?;
+    poll::prepare(&sql).await?;
+    faults::check("producer_init");
+    let out = Publisher::new(
+        Producer::new(config)?,
+        router.clone(),
+        config.dead_letter_topic.clone(),
+        poisoned.clone(),
+        metrics.clone(),
+    );
+    let mut sink = AtLeastOnce::new(
+        out,
+        config.max_in_flight_events,
+        config.max_in_flight_bytes,
+        metrics.clone(),
+    );
+    let mut source = PollSource::start(config, metrics.clone()).await?;
+    metrics.set_state(State::Streaming);
+    tracing::info!(relay = %config.poll.relay, database = %config.postgres.dbname(), "polling");
+    let outcome = forward(&mut source, &mut sink, shutdown, metrics, async |_| {
+        poll::record_figures(&sql, metrics).await?;
+        Ok(None)
+    })
+    .await;
+    match outcome {
+        Ok(_) => source.close().await,
+        Err(error) => {
+            sink.abandon(&error).await;
+            Err(error)
         }
     }
 }

@@ -2,7 +2,7 @@
 
 use serde_json::{json, Value};
 
-use crate::config::{Config, Delivery};
+use crate::config::{Config, Delivery, SourceKind};
 use crate::error::Result;
 use crate::offsets::OffsetStore;
 use crate::slot;
@@ -26,8 +26,20 @@ pub struct SlotStatus {
     pub synced: Option<bool>,
 }
 
+/// Polling relays, as `outbox.poll_status()` reports them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PollStatus {
+    pub pending_events: i64,
+    pub oldest_pending_seconds: Option<f64>,
+    pub leases_held: i64,
+    pub leases_expired: i64,
+    pub relays: i64,
+}
+
 pub struct Status {
     pub slots: Vec<SlotStatus>,
+    /// Where polling is enabled (or events are still pending).
+    pub polling: Option<PollStatus>,
     /// Exactly-once mode: the offset stored in Kafka for this forwarder.
     pub stored_offset: Option<String>,
     /// With it, the horizon that tells a lost slot's catch-up what Kafka
@@ -65,9 +77,11 @@ pub async fn collect(config: &Config) -> Result<Status> {
             synced: r.get(10),
         })
         .collect::<Vec<_>>();
+    let polling = poll_status(&client).await?;
     let mut warnings = Vec::new();
     let names = slots.iter().map(|s| s.slot.as_str());
-    for name in std::iter::once(config.slot.as_str()).chain(names) {
+    let configured = (config.source == SourceKind::Slot).then_some(config.slot.as_str());
+    for name in configured.into_iter().chain(names) {
         for (_, text) in slot::retention(&client, name).await?.findings(name) {
             if !warnings.contains(&text) {
                 warnings.push(text);
@@ -90,15 +104,50 @@ pub async fn collect(config: &Config) -> Result<Status> {
         .map(|h| (h.base.to_string(), h.xids.count()));
     Ok(Status {
         slots,
+        polling,
         stored_offset,
         stored_horizon,
         warnings,
     })
 }
 
+/// The polling figures, where polling is on or events are still pending
+/// (none on an extension older than 0.5.0).
+async fn poll_status(client: &tokio_postgres::Client) -> Result<Option<PollStatus>> {
+    let row = client
+        .query_opt(
+            "SELECT pending_events, extract(epoch FROM oldest_pending_age)::float8, \
+                    leases_held, leases_expired, relays \
+               FROM outbox.poll_status() \
+              WHERE enabled OR pending_events > 0",
+            &[],
+        )
+        .await;
+    let row = match row {
+        Ok(row) => row,
+        // 42883: no such function, an extension from before polling.
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) => None,
+        Err(e) => return Err(e.into()),
+    };
+    Ok(row.map(|r| PollStatus {
+        pending_events: r.get(0),
+        oldest_pending_seconds: r.get(1),
+        leases_held: r.get(2),
+        leases_expired: r.get(3),
+        relays: r.get(4),
+    }))
+}
+
 impl Status {
     pub fn to_json(&self) -> Value {
         json!({
+            "polling": self.polling.as_ref().map(|p| json!({
+                "pending_events": p.pending_events,
+                "oldest_pending_seconds": p.oldest_pending_seconds,
+                "leases_held": p.leases_held,
+                "leases_expired": p.leases_expired,
+                "relays": p.relays,
+            })),
             "stored_offset": self.stored_offset,
             "stored_horizon": self.stored_horizon.as_ref().map(|(snapshot, listed)| json!({
                 "snapshot": snapshot,
@@ -157,6 +206,17 @@ impl Status {
                     .map_or("-".to_owned(), |v| format!("{v:.1}")),
                 s.wal_status.as_deref().unwrap_or("-"),
                 failover,
+            ));
+        }
+        if let Some(p) = &self.polling {
+            out.push_str(&format!(
+                "polling: {} pending events, oldest {} s; {} leases held by {} relays, {} expired\n",
+                p.pending_events,
+                p.oldest_pending_seconds
+                    .map_or("-".to_owned(), |v| format!("{v:.1}")),
+                p.leases_held,
+                p.relays,
+                p.leases_expired,
             ));
         }
         if let Some(offset) = &self.stored_offset {

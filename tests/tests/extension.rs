@@ -1266,13 +1266,28 @@ async fn edition_state(client: &Client) -> (String, Option<String>, bool) {
     (row.get(0), row.get(1), row.get(2))
 }
 
+/// The extension's version, as its crate declares it.
+fn extension_version(root: &std::path::Path) -> String {
+    let manifest =
+        std::fs::read_to_string(root.join("pg_ext/Cargo.toml")).expect("pg_ext/Cargo.toml");
+    manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("version line")
+        .to_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_data() {
     if Edition::skip_on_sql("it assembles and installs editions itself, in the extension pass") {
         return;
     }
-    // A next release, 0.4.1: today's SQL plus one upgrade step.
+    // A next release: today's SQL plus one upgrade step.
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let today = extension_version(&root);
+    let (minor, patch) = today.rsplit_once('.').expect("x.y.z");
+    let next = format!("{minor}.{}", patch.parse::<u32>().expect("patch") + 1);
     let release = std::env::temp_dir().join(unique("edition_next"));
     std::fs::create_dir_all(&release).expect("temp dir");
     for entry in std::fs::read_dir(root.join("pg_ext/sql")).expect("sql dir") {
@@ -1280,17 +1295,19 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
         std::fs::copy(&path, release.join(path.file_name().expect("name"))).expect("copy");
     }
     std::fs::write(
-        release.join("pg_outbox--0.4.0--0.4.1.sql"),
-        "COMMENT ON TABLE outbox.inbox IS 'changed by 0.4.1';\n\
-         CREATE FUNCTION outbox.next_release() RETURNS integer LANGUAGE sql AS 'SELECT 41';\n",
+        release.join(format!("pg_outbox--{today}--{next}.sql")),
+        format!(
+            "COMMENT ON TABLE outbox.inbox IS 'changed by {next}';\n\
+             CREATE FUNCTION outbox.next_release() RETURNS integer LANGUAGE sql AS 'SELECT 41';\n"
+        ),
     )
     .expect("step");
-    let next_file = release.join("pg_outbox_sql-0.4.1.sql");
+    let next_file = release.join(format!("pg_outbox_sql-{next}.sql"));
     let assembled = std::process::Command::new(root.join("scripts/sql-edition"))
         .arg("--out")
         .arg(&next_file)
         .env("OUTBOX_EDITION_SQL_DIR", &release)
-        .env("OUTBOX_EDITION_VERSION", "0.4.1")
+        .env("OUTBOX_EDITION_VERSION", &next)
         .output()
         .expect("scripts/sql-edition");
     assert!(
@@ -1317,7 +1334,7 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
     }
     assert_eq!(
         edition_state(&client).await.0,
-        "pg_outbox SQL edition 0.4.0"
+        format!("pg_outbox SQL edition {today}")
     );
 
     // The next release's file over it: upgraded in place, data kept.
@@ -1326,8 +1343,8 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
     assert_eq!(
         edition_state(&client).await,
         (
-            "pg_outbox SQL edition 0.4.1".to_owned(),
-            Some("changed by 0.4.1".to_owned()),
+            format!("pg_outbox SQL edition {next}"),
+            Some(format!("changed by {next}")),
             true
         )
     );
