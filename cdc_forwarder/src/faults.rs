@@ -21,6 +21,10 @@ pub const POINTS: &[&str] = &[
     "after_kafka_commit",
     // The slot was told the new position.
     "after_confirm",
+    // Polling: a relay renewed or took leases.
+    "after_lease",
+    // Polling: a relay marked published events done.
+    "after_poll_done",
 ];
 
 struct Armed {

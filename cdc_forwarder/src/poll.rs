@@ -29,6 +29,7 @@ use tokio_postgres::{Client, Statement};
 use crate::config::{Config, PollSettings};
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
+use crate::faults;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::slot;
@@ -325,6 +326,7 @@ impl Relay {
             )
             .await?;
         self.clock.renewed(started, self.settings.lease);
+        faults::check("after_lease");
         self.next_lease = started + self.settings.lease / 3;
         let mut held = HashSet::with_capacity(rows.len());
         let mut last_claimed: Option<Aggregate> = None;
@@ -438,6 +440,7 @@ impl Relay {
                 &[&types, &ids, &seqs],
             )
             .await?;
+        faults::check("after_poll_done");
         for (aggregate, seq) in done {
             if self.in_hand.get(&aggregate) == Some(&seq) {
                 self.in_hand.remove(&aggregate);

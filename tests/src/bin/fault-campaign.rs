@@ -5,11 +5,18 @@
 //! read_committed consumer received.
 //!
 //! fault-campaign [--faults N] [--mode exactly-once|at-least-once] [--seed S] [--failover]
+//!                [--source poll]
 //!
 //! --failover runs on a primary and standby of the campaign's own and adds
 //! primary failovers (SIGKILL of the primary, promotion of the standby, a
 //! new standby where the old primary was): in exactly-once mode it needs
 //! PostgreSQL 17 or later, whose failover slots carry the forwarder's slot.
+//!
+//! --source poll runs two polling relays (at least once) instead of a slot
+//! forwarder: faults hit one of them (crashes at its fault points, SIGKILL
+//! and restart under a new name, so its leases must expire; a zombie that
+//! resumes after its successor took its aggregates over), and the servers
+//! restart under both.
 //!
 //! Needs the stack's environment (PGURL, FORWARDER_PGURL, KAFKA_BOOTSTRAP).
 //! Exits 1 on any loss, phantom or order violation, and on any duplicate in
@@ -37,6 +44,18 @@ const POINTS: &[&str] = &[
     "after_kafka_commit",
     "after_confirm",
 ];
+/// A polling relay's points: no Kafka transactions, no slot.
+const POLL_POINTS: &[&str] = &[
+    "producer_init",
+    "before_produce",
+    "after_produce",
+    "after_confirm",
+    "after_lease",
+    "after_poll_done",
+];
+
+/// Polling relays' leases in the campaign: short, so that takeovers happen.
+const POLL_LEASE_MS: &str = "2000";
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -52,12 +71,14 @@ enum Fault {
     Failover,
 }
 
-fn pick(rng: &mut StdRng, failover: bool) -> Fault {
+fn pick(rng: &mut StdRng, failover: bool, poll: bool) -> Fault {
     if failover && rng.random_range(0..10) == 0 {
         return Fault::Failover;
     }
+    let points = if poll { POLL_POINTS } else { POINTS };
     match rng.random_range(0..100) {
-        0..46 => Fault::Point(POINTS[rng.random_range(0..POINTS.len())]),
+        0..46 => Fault::Point(points[rng.random_range(0..points.len())]),
+        46..50 if poll => Fault::Kill,
         46..50 => Fault::SlotLost,
         50..70 => Fault::Kill,
         70..80 => Fault::Zombie,
@@ -72,6 +93,7 @@ struct Args {
     exactly_once: bool,
     seed: u64,
     failover: bool,
+    poll: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -80,7 +102,9 @@ fn parse_args() -> Result<Args, String> {
         exactly_once: true,
         seed: rand::rng().random(),
         failover: false,
+        poll: false,
     };
+    let mut mode_given = false;
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -88,7 +112,15 @@ fn parse_args() -> Result<Args, String> {
             "--faults" => args.faults = value()?.parse().map_err(|_| "--faults takes a number")?,
             "--failover" => args.failover = true,
             "--seed" => args.seed = value()?.parse().map_err(|_| "--seed takes a number")?,
+            "--source" => {
+                args.poll = match value()?.as_str() {
+                    "poll" => true,
+                    "slot" => false,
+                    other => return Err(format!("unknown source {other:?}")),
+                }
+            }
             "--mode" => {
+                mode_given = true;
                 args.exactly_once = match value()?.as_str() {
                     "exactly-once" => true,
                     "at-least-once" => false,
@@ -97,6 +129,15 @@ fn parse_args() -> Result<Args, String> {
             }
             other => return Err(format!("unknown argument {other:?}")),
         }
+    }
+    if args.poll {
+        if mode_given && args.exactly_once {
+            return Err("--source poll delivers at least once: leave out --mode exactly-once".into());
+        }
+        if args.failover {
+            return Err("--source poll runs without --failover".into());
+        }
+        args.exactly_once = false;
     }
     Ok(args)
 }
@@ -178,18 +219,21 @@ async fn main() -> ExitCode {
     };
     let mode: &[&str] = if args.exactly_once {
         &["--delivery", "exactly-once"]
+    } else if args.poll {
+        &["--source", "poll", "--poll-lease-ms", POLL_LEASE_MS]
     } else {
         &[]
     };
     let mut rng = StdRng::seed_from_u64(args.seed);
     println!(
-        "fault campaign: {} faults, {} mode, seed {}",
+        "fault campaign: {} faults, {} mode{}, seed {}",
         args.faults,
         if args.exactly_once {
             "exactly-once"
         } else {
             "at-least-once"
         },
+        if args.poll { ", polling relays" } else { "" },
         args.seed
     );
 
@@ -209,7 +253,33 @@ async fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let topic = db.create_topic("campaign", 3).await;
-    let mut forwarder = Forwarder::spawn(&db, mode);
+    // Polling: relays get names; the one the faults hit is renamed when it
+    // is killed, so that its leases must expire before they move.
+    let mut generation = 0;
+    let mut relay_args = |renamed: bool| -> Vec<String> {
+        let mut a: Vec<String> = mode.iter().map(|s| s.to_string()).collect();
+        if args.poll {
+            generation += usize::from(renamed);
+            a.extend(["--relay-name".into(), format!("campaign-{generation}")]);
+        }
+        a
+    };
+    let spawn = |db: &TestDb, a: &[String], env: &[(&str, &str)]| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        Forwarder::spawn_with_env(db, &a, env)
+    };
+    let steady = if args.poll {
+        db.admin()
+            .await
+            .batch_execute("SELECT outbox.enable_polling()")
+            .await
+            .expect("enable polling");
+        let a: Vec<&str> = mode.iter().copied().chain(["--relay-name", "steady"]).collect();
+        Some(Forwarder::spawn(&db, &a))
+    } else {
+        None
+    };
+    let mut forwarder = spawn(&db, &relay_args(false), &[]);
 
     let stop = Arc::new(AtomicBool::new(false));
     let writers: Vec<_> = (0..3)
@@ -313,16 +383,16 @@ async fn main() -> ExitCode {
     for n in 1..=args.faults {
         // Let the stream run a little, for random timing.
         tokio::time::sleep(Duration::from_millis(rng.random_range(50..600))).await;
-        let fault = pick(&mut rng, pair.is_some());
+        let fault = pick(&mut rng, pair.is_some(), args.poll);
         let before = count.load(Ordering::Relaxed);
         let mut injected = Instant::now();
         match fault {
             Fault::Point(point) => {
                 forwarder.kill9().await;
                 let at = rng.random_range(1..=150).to_string();
-                let armed = Forwarder::spawn_with_env(
+                let armed = spawn(
                     &db,
-                    mode,
+                    &relay_args(false),
                     &[("OUTBOX_FAULT", &format!("{point}:{at}"))],
                 );
                 // Wait for the point to fire; if the stream never got that far, kill it.
@@ -332,11 +402,11 @@ async fn main() -> ExitCode {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
                 armed.kill9().await;
-                forwarder = Forwarder::spawn(&db, mode);
+                forwarder = spawn(&db, &relay_args(false), &[]);
             }
             Fault::Kill => {
                 forwarder.kill9().await;
-                forwarder = Forwarder::spawn(&db, mode);
+                forwarder = spawn(&db, &relay_args(true), &[]);
             }
             Fault::Zombie => {
                 let zombie_pid = forwarder.pid();
@@ -348,8 +418,11 @@ async fn main() -> ExitCode {
                         &[&db.slot],
                     )
                     .await;
-                let zombie = std::mem::replace(&mut forwarder, Forwarder::spawn(&db, mode));
-                tokio::time::sleep(Duration::from_millis(rng.random_range(100..1500))).await;
+                let zombie =
+                    std::mem::replace(&mut forwarder, spawn(&db, &relay_args(true), &[]));
+                // A polling zombie sleeps past its leases, which the others take over.
+                let sleep = if args.poll { 1000..4000 } else { 100..1500 };
+                tokio::time::sleep(Duration::from_millis(rng.random_range(sleep))).await;
                 signal("-CONT", zombie_pid);
                 tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
                 zombie.kill9().await;
@@ -386,6 +459,12 @@ async fn main() -> ExitCode {
         match wait_progress(before, Duration::from_secs(90)).await {
             Some(_) => {
                 let recovery = injected.elapsed();
+                if recovery > Duration::from_secs(10) {
+                    println!(
+                        "  fault {n} ({name}): progress again after {:.1} s",
+                        recovery.as_secs_f64()
+                    );
+                }
                 max_recovery = max_recovery.max(recovery);
             }
             None => {
@@ -449,6 +528,9 @@ async fn main() -> ExitCode {
     );
 
     forwarder.kill9().await;
+    if let Some(steady) = steady {
+        steady.kill9().await;
+    }
     db.drop().await;
     drop(pair.take());
     let failed = v.lost > 0
