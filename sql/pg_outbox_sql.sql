@@ -802,6 +802,9 @@ CREATE TABLE outbox.poll_leases (
 COMMENT ON TABLE outbox.poll_leases IS 'Which polling relay publishes each aggregate, until when.';
 
 REVOKE ALL ON outbox.pending, outbox.poll_leases FROM PUBLIC;
+-- A slot forwarder's first start, where relays polled before it, delivers
+-- only what is still pending.
+GRANT SELECT ON outbox.pending TO outbox_relay;
 
 -- Runs inside emit_event's INSERT, as emit_event's owner; names are
 -- qualified, so it needs no SET clause (a cost on every emit).
@@ -862,12 +865,13 @@ $$;
 
 -- Renews the relay's leases, gives back those with nothing pending, and
 -- leases more aggregates with pending events (free ones, or ones whose lease
--- expired) up to max_aggregates in all, walking the pending aggregates in
--- key order from after (resume_type, resume_id) and round again from the
--- start. Returns every aggregate the relay holds; taken_over is true for an
--- expired lease of another relay that it took.
+-- expired): at most max_new in one call, so that relays asking at the same
+-- time share them, and max_aggregates in all. It walks the pending
+-- aggregates in key order from after (resume_type, resume_id) and round
+-- again from the start. Returns every aggregate the relay holds; taken_over
+-- is true for an expired lease of another relay that it took.
 CREATE FUNCTION outbox.poll_lease(
-    relay text, lease interval, max_aggregates integer,
+    relay text, lease interval, max_aggregates integer, max_new integer,
     resume_type text DEFAULT NULL, resume_id text DEFAULT NULL
 )
 RETURNS TABLE (aggregate_type text, aggregate_id text, taken_over boolean)
@@ -878,14 +882,16 @@ AS $$
 DECLARE
     held integer;
     claimed integer;
+    wanted integer;
     from_type text := coalesce(resume_type, '');
     from_id text := coalesce(resume_id, '');
     pass integer;
 BEGIN
     PERFORM outbox.check_relay_name(relay);
-    IF lease IS NULL OR lease <= interval '0' OR max_aggregates IS NULL OR max_aggregates < 1 THEN
-        RAISE EXCEPTION 'lease must be a positive interval and max_aggregates at least 1'
-            USING ERRCODE = 'PO007', HINT = 'For example outbox.poll_lease(''relay-1'', ''5 seconds'', 100).';
+    IF lease IS NULL OR lease <= interval '0' OR max_aggregates IS NULL OR max_aggregates < 1
+       OR max_new IS NULL OR max_new < 1 THEN
+        RAISE EXCEPTION 'lease must be a positive interval, max_aggregates and max_new at least 1'
+            USING ERRCODE = 'PO007', HINT = 'For example outbox.poll_lease(''relay-1'', ''5 seconds'', 1000, 100).';
     END IF;
     DELETE FROM outbox.poll_leases l
      WHERE l.relay = poll_lease.relay
@@ -899,8 +905,9 @@ BEGIN
     SELECT l.aggregate_type::text, l.aggregate_id::text, false
       FROM outbox.poll_leases l WHERE l.relay = poll_lease.relay;
     GET DIAGNOSTICS held = ROW_COUNT;
+    wanted := least(max_aggregates - held, max_new);
     FOR pass IN 1..2 LOOP
-        EXIT WHEN held >= max_aggregates;
+        EXIT WHEN wanted <= 0;
         RETURN QUERY
         WITH RECURSIVE walk AS (
             (SELECT p.aggregate_type, p.aggregate_id FROM outbox.pending p
@@ -918,7 +925,7 @@ BEGIN
              WHERE NOT EXISTS (SELECT 1 FROM outbox.poll_leases l
                                 WHERE l.aggregate_type = w.aggregate_type AND l.aggregate_id = w.aggregate_id
                                   AND l.expires_at > clock_timestamp())
-             LIMIT max_aggregates - held
+             LIMIT wanted
         )
         INSERT INTO outbox.poll_leases AS l (aggregate_type, aggregate_id, relay, expires_at)
         SELECT f.aggregate_type, f.aggregate_id, poll_lease.relay, clock_timestamp() + lease FROM free f
@@ -927,46 +934,48 @@ BEGIN
          WHERE l.expires_at <= clock_timestamp()
         RETURNING l.aggregate_type::text, l.aggregate_id::text, l.xmax <> '0'::xid;
         GET DIAGNOSTICS claimed = ROW_COUNT;
-        held := held + claimed;
+        wanted := wanted - claimed;
         EXIT WHEN from_type = '';
         from_type := '';
         from_id := '';
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION outbox.poll_lease(text, interval, integer, text, text) IS
+COMMENT ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) IS
     'Called by polling relays: renews their leases, gives back aggregates with nothing pending, leases more.';
 
 -- The next pending events of the relay's aggregates, in sequence order per
--- aggregate, taking turns between aggregates. after_* name, per aggregate,
--- the last sequence the relay already has in hand.
-CREATE FUNCTION outbox.poll_fetch(
-    relay text, max_events integer,
-    after_types text[] DEFAULT '{}', after_ids text[] DEFAULT '{}', after_seqs bigint[] DEFAULT '{}'
-)
+-- aggregate, taking turns between aggregates (each gives at most twice its
+-- share of max_events). in_hand maps 'aggregate_type/aggregate_id' (a type
+-- has no '/') to the last sequence the relay already has in hand.
+CREATE FUNCTION outbox.poll_fetch(relay text, max_events integer, in_hand jsonb DEFAULT '{}')
 RETURNS SETOF outbox.events
 LANGUAGE sql STABLE PARALLEL SAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    WITH picked AS MATERIALIZED (
+        SELECT l.aggregate_type, l.aggregate_id, p.aggregate_seq, p.turn
+          FROM outbox.poll_leases l
+         CROSS JOIN LATERAL (
+            SELECT q.aggregate_seq, row_number() OVER (ORDER BY q.aggregate_seq) AS turn
+              FROM outbox.pending q
+             WHERE q.aggregate_type = l.aggregate_type AND q.aggregate_id = l.aggregate_id
+               AND q.aggregate_seq > coalesce((in_hand ->> (l.aggregate_type || '/' || l.aggregate_id))::bigint, 0)
+             ORDER BY q.aggregate_seq
+             LIMIT greatest(1, 2 * max_events / greatest(1, (SELECT count(*) FROM outbox.poll_leases h
+                                                              WHERE h.relay = poll_fetch.relay)))) p
+         WHERE l.relay = poll_fetch.relay
+         ORDER BY p.turn, l.aggregate_type, l.aggregate_id
+         LIMIT max_events
+    )
     SELECT e.*
-      FROM outbox.poll_leases l
-      LEFT JOIN unnest(after_types, after_ids, after_seqs) AS a(aggregate_type, aggregate_id, aggregate_seq)
-        ON a.aggregate_type = l.aggregate_type AND a.aggregate_id = l.aggregate_id
-     CROSS JOIN LATERAL (
-        SELECT p.aggregate_seq, row_number() OVER (ORDER BY p.aggregate_seq) AS turn
-          FROM outbox.pending p
-         WHERE p.aggregate_type = l.aggregate_type AND p.aggregate_id = l.aggregate_id
-           AND p.aggregate_seq > coalesce(a.aggregate_seq, 0)
-         ORDER BY p.aggregate_seq
-         LIMIT max_events) p
+      FROM picked k
       JOIN outbox.events e
-        ON e.aggregate_type = l.aggregate_type AND e.aggregate_id = l.aggregate_id
-       AND e.aggregate_seq = p.aggregate_seq
-     WHERE l.relay = poll_fetch.relay
-     ORDER BY p.turn, l.aggregate_type, l.aggregate_id
-     LIMIT max_events;
+        ON e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
+       AND e.aggregate_seq = k.aggregate_seq
+     ORDER BY k.turn, k.aggregate_type, k.aggregate_id;
 $$;
-COMMENT ON FUNCTION outbox.poll_fetch(text, integer, text[], text[], bigint[]) IS
+COMMENT ON FUNCTION outbox.poll_fetch(text, integer, jsonb) IS
     'Called by polling relays: the next pending events of the aggregates they lease.';
 
 CREATE FUNCTION outbox.poll_done(aggregate_types text[], aggregate_ids text[], up_to_seqs bigint[])
@@ -1029,13 +1038,13 @@ REVOKE ALL ON FUNCTION outbox.mark_pending() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.enable_polling() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.disable_polling() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.check_relay_name(text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox.poll_lease(text, interval, integer, text, text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox.poll_fetch(text, integer, text[], text[], bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.poll_fetch(text, integer, jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_done(text[], text[], bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_release(text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_status() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.poll_lease(text, interval, integer, text, text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.poll_fetch(text, integer, text[], text[], bigint[]) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.poll_fetch(text, integer, jsonb) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_done(text[], text[], bigint[]) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_release(text) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_status() TO outbox_relay;
@@ -1158,6 +1167,9 @@ CREATE TABLE outbox.poll_leases (
 COMMENT ON TABLE outbox.poll_leases IS 'Which polling relay publishes each aggregate, until when.';
 
 REVOKE ALL ON outbox.pending, outbox.poll_leases FROM PUBLIC;
+-- A slot forwarder's first start, where relays polled before it, delivers
+-- only what is still pending.
+GRANT SELECT ON outbox.pending TO outbox_relay;
 
 -- Runs inside emit_event's INSERT, as emit_event's owner; names are
 -- qualified, so it needs no SET clause (a cost on every emit).
@@ -1218,12 +1230,13 @@ $$;
 
 -- Renews the relay's leases, gives back those with nothing pending, and
 -- leases more aggregates with pending events (free ones, or ones whose lease
--- expired) up to max_aggregates in all, walking the pending aggregates in
--- key order from after (resume_type, resume_id) and round again from the
--- start. Returns every aggregate the relay holds; taken_over is true for an
--- expired lease of another relay that it took.
+-- expired): at most max_new in one call, so that relays asking at the same
+-- time share them, and max_aggregates in all. It walks the pending
+-- aggregates in key order from after (resume_type, resume_id) and round
+-- again from the start. Returns every aggregate the relay holds; taken_over
+-- is true for an expired lease of another relay that it took.
 CREATE FUNCTION outbox.poll_lease(
-    relay text, lease interval, max_aggregates integer,
+    relay text, lease interval, max_aggregates integer, max_new integer,
     resume_type text DEFAULT NULL, resume_id text DEFAULT NULL
 )
 RETURNS TABLE (aggregate_type text, aggregate_id text, taken_over boolean)
@@ -1234,14 +1247,16 @@ AS $$
 DECLARE
     held integer;
     claimed integer;
+    wanted integer;
     from_type text := coalesce(resume_type, '');
     from_id text := coalesce(resume_id, '');
     pass integer;
 BEGIN
     PERFORM outbox.check_relay_name(relay);
-    IF lease IS NULL OR lease <= interval '0' OR max_aggregates IS NULL OR max_aggregates < 1 THEN
-        RAISE EXCEPTION 'lease must be a positive interval and max_aggregates at least 1'
-            USING ERRCODE = 'PO007', HINT = 'For example outbox.poll_lease(''relay-1'', ''5 seconds'', 100).';
+    IF lease IS NULL OR lease <= interval '0' OR max_aggregates IS NULL OR max_aggregates < 1
+       OR max_new IS NULL OR max_new < 1 THEN
+        RAISE EXCEPTION 'lease must be a positive interval, max_aggregates and max_new at least 1'
+            USING ERRCODE = 'PO007', HINT = 'For example outbox.poll_lease(''relay-1'', ''5 seconds'', 1000, 100).';
     END IF;
     DELETE FROM outbox.poll_leases l
      WHERE l.relay = poll_lease.relay
@@ -1255,8 +1270,9 @@ BEGIN
     SELECT l.aggregate_type::text, l.aggregate_id::text, false
       FROM outbox.poll_leases l WHERE l.relay = poll_lease.relay;
     GET DIAGNOSTICS held = ROW_COUNT;
+    wanted := least(max_aggregates - held, max_new);
     FOR pass IN 1..2 LOOP
-        EXIT WHEN held >= max_aggregates;
+        EXIT WHEN wanted <= 0;
         RETURN QUERY
         WITH RECURSIVE walk AS (
             (SELECT p.aggregate_type, p.aggregate_id FROM outbox.pending p
@@ -1274,7 +1290,7 @@ BEGIN
              WHERE NOT EXISTS (SELECT 1 FROM outbox.poll_leases l
                                 WHERE l.aggregate_type = w.aggregate_type AND l.aggregate_id = w.aggregate_id
                                   AND l.expires_at > clock_timestamp())
-             LIMIT max_aggregates - held
+             LIMIT wanted
         )
         INSERT INTO outbox.poll_leases AS l (aggregate_type, aggregate_id, relay, expires_at)
         SELECT f.aggregate_type, f.aggregate_id, poll_lease.relay, clock_timestamp() + lease FROM free f
@@ -1283,46 +1299,48 @@ BEGIN
          WHERE l.expires_at <= clock_timestamp()
         RETURNING l.aggregate_type::text, l.aggregate_id::text, l.xmax <> '0'::xid;
         GET DIAGNOSTICS claimed = ROW_COUNT;
-        held := held + claimed;
+        wanted := wanted - claimed;
         EXIT WHEN from_type = '';
         from_type := '';
         from_id := '';
     END LOOP;
 END
 $$;
-COMMENT ON FUNCTION outbox.poll_lease(text, interval, integer, text, text) IS
+COMMENT ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) IS
     'Called by polling relays: renews their leases, gives back aggregates with nothing pending, leases more.';
 
 -- The next pending events of the relay's aggregates, in sequence order per
--- aggregate, taking turns between aggregates. after_* name, per aggregate,
--- the last sequence the relay already has in hand.
-CREATE FUNCTION outbox.poll_fetch(
-    relay text, max_events integer,
-    after_types text[] DEFAULT '{}', after_ids text[] DEFAULT '{}', after_seqs bigint[] DEFAULT '{}'
-)
+-- aggregate, taking turns between aggregates (each gives at most twice its
+-- share of max_events). in_hand maps 'aggregate_type/aggregate_id' (a type
+-- has no '/') to the last sequence the relay already has in hand.
+CREATE FUNCTION outbox.poll_fetch(relay text, max_events integer, in_hand jsonb DEFAULT '{}')
 RETURNS SETOF outbox.events
 LANGUAGE sql STABLE PARALLEL SAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
+    WITH picked AS MATERIALIZED (
+        SELECT l.aggregate_type, l.aggregate_id, p.aggregate_seq, p.turn
+          FROM outbox.poll_leases l
+         CROSS JOIN LATERAL (
+            SELECT q.aggregate_seq, row_number() OVER (ORDER BY q.aggregate_seq) AS turn
+              FROM outbox.pending q
+             WHERE q.aggregate_type = l.aggregate_type AND q.aggregate_id = l.aggregate_id
+               AND q.aggregate_seq > coalesce((in_hand ->> (l.aggregate_type || '/' || l.aggregate_id))::bigint, 0)
+             ORDER BY q.aggregate_seq
+             LIMIT greatest(1, 2 * max_events / greatest(1, (SELECT count(*) FROM outbox.poll_leases h
+                                                              WHERE h.relay = poll_fetch.relay)))) p
+         WHERE l.relay = poll_fetch.relay
+         ORDER BY p.turn, l.aggregate_type, l.aggregate_id
+         LIMIT max_events
+    )
     SELECT e.*
-      FROM outbox.poll_leases l
-      LEFT JOIN unnest(after_types, after_ids, after_seqs) AS a(aggregate_type, aggregate_id, aggregate_seq)
-        ON a.aggregate_type = l.aggregate_type AND a.aggregate_id = l.aggregate_id
-     CROSS JOIN LATERAL (
-        SELECT p.aggregate_seq, row_number() OVER (ORDER BY p.aggregate_seq) AS turn
-          FROM outbox.pending p
-         WHERE p.aggregate_type = l.aggregate_type AND p.aggregate_id = l.aggregate_id
-           AND p.aggregate_seq > coalesce(a.aggregate_seq, 0)
-         ORDER BY p.aggregate_seq
-         LIMIT max_events) p
+      FROM picked k
       JOIN outbox.events e
-        ON e.aggregate_type = l.aggregate_type AND e.aggregate_id = l.aggregate_id
-       AND e.aggregate_seq = p.aggregate_seq
-     WHERE l.relay = poll_fetch.relay
-     ORDER BY p.turn, l.aggregate_type, l.aggregate_id
-     LIMIT max_events;
+        ON e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
+       AND e.aggregate_seq = k.aggregate_seq
+     ORDER BY k.turn, k.aggregate_type, k.aggregate_id;
 $$;
-COMMENT ON FUNCTION outbox.poll_fetch(text, integer, text[], text[], bigint[]) IS
+COMMENT ON FUNCTION outbox.poll_fetch(text, integer, jsonb) IS
     'Called by polling relays: the next pending events of the aggregates they lease.';
 
 CREATE FUNCTION outbox.poll_done(aggregate_types text[], aggregate_ids text[], up_to_seqs bigint[])
@@ -1385,13 +1403,13 @@ REVOKE ALL ON FUNCTION outbox.mark_pending() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.enable_polling() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.disable_polling() FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.check_relay_name(text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox.poll_lease(text, interval, integer, text, text) FROM PUBLIC;
-REVOKE ALL ON FUNCTION outbox.poll_fetch(text, integer, text[], text[], bigint[]) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.poll_fetch(text, integer, jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_done(text[], text[], bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_release(text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_status() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.poll_lease(text, interval, integer, text, text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.poll_fetch(text, integer, text[], text[], bigint[]) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) TO outbox_relay;
+GRANT EXECUTE ON FUNCTION outbox.poll_fetch(text, integer, jsonb) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_done(text[], text[], bigint[]) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_release(text) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_status() TO outbox_relay;

@@ -359,7 +359,7 @@ impl Default for PollSettings {
             interval: Duration::from_millis(100),
             lease: Duration::from_secs(5),
             max_events: 1_000,
-            max_aggregates: 100,
+            max_aggregates: 1_000,
         }
     }
 }

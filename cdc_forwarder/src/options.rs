@@ -55,7 +55,7 @@ pub struct Options {
     #[arg(long, env = "OUTBOX_POLL_MAX_EVENTS", default_value_t = 1000)]
     pub poll_max_events: usize,
     /// Polling: aggregates one relay leases at a time.
-    #[arg(long, env = "OUTBOX_POLL_MAX_AGGREGATES", default_value_t = 100)]
+    #[arg(long, env = "OUTBOX_POLL_MAX_AGGREGATES", default_value_t = 1000)]
     pub poll_max_aggregates: usize,
     /// Logical replication slot to stream from.
     #[arg(long, env = "OUTBOX_SLOT", default_value = "pg_outbox")]

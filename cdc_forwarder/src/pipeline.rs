@@ -425,12 +425,27 @@ impl Session<'_> {
             here
         });
         let base = horizon.as_ref().map(|h| h.base.to_string());
+        // Polling relays published what is no longer pending: a slot that
+        // takes over from them starts where they are.
+        let polled = polling_enabled(&tx).await?;
+        if polled {
+            tracing::info!(
+                "polling is enabled: the catch-up delivers only the events still pending"
+            );
+        }
+        let only_pending = if polled {
+            "AND EXISTS (SELECT 1 FROM outbox.pending p WHERE p.aggregate_type = e.aggregate_type \
+                            AND p.aggregate_id = e.aggregate_id AND p.aggregate_seq = e.aggregate_seq)"
+        } else {
+            ""
+        };
         let portal = tx
             .bind(
                 &format!(
                     "SELECT {EVENT_COLUMNS}, e.txid::text::bigint FROM outbox.events e \
                       WHERE NOT coalesce(pg_visible_in_snapshot(e.txid, $1::text::pg_snapshot), false) \
                         AND NOT coalesce(pg_visible_in_snapshot(e.txid, $2::text::pg_snapshot), false) \
+                        {only_pending} \
                       ORDER BY aggregate_type, aggregate_id, aggregate_seq"
                 ),
                 &[&base, &safe],
@@ -479,6 +494,23 @@ impl Session<'_> {
         self.metrics.caught_up_events.inc_by(count);
         Ok(count)
     }
+}
+
+/// Whether polling relays are enabled (pg_outbox 0.5.0 and later).
+async fn polling_enabled(client: &impl tokio_postgres::GenericClient) -> Result<bool> {
+    let row = client
+        .query_one(
+            "SELECT to_regprocedure('outbox.poll_status()') IS NOT NULL",
+            &[],
+        )
+        .await?;
+    if !row.get::<_, bool>(0) {
+        return Ok(false);
+    }
+    Ok(client
+        .query_one("SELECT enabled FROM outbox.poll_status()", &[])
+        .await?
+        .get(0))
 }
 
 /// Moves changes from `source` to `sink` and confirms to the source what the

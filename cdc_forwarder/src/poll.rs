@@ -37,6 +37,9 @@ use crate::source::{Change, Source};
 
 /// Batches fetched ahead of the pipeline.
 const BATCHES_AHEAD: usize = 2;
+/// Aggregates a relay leases in one call at most, so that relays asking at
+/// the same time share the pending ones.
+const LEASE_STEP: i32 = 100;
 /// How long a stopping relay waits for its last bookkeeping.
 const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -132,7 +135,7 @@ impl PollSource {
             .prepare(&format!(
                 "SELECT {EVENT_COLUMNS}, \
                         ((extract(epoch FROM occurred_at) - 946684800) * 1000000)::bigint \
-                   FROM outbox.poll_fetch($1, $2, $3, $4, $5)"
+                   FROM outbox.poll_fetch($1, $2, $3)"
             ))
             .await?;
         let clock = Arc::new(LeaseClock {
@@ -315,11 +318,12 @@ impl Relay {
             .sql
             .query(
                 "SELECT aggregate_type, aggregate_id, taken_over \
-                   FROM outbox.poll_lease($1, $2 * interval '1 millisecond', $3, $4, $5)",
+                   FROM outbox.poll_lease($1, $2 * interval '1 millisecond', $3, $4, $5, $6)",
                 &[
                     &self.settings.relay,
                     &(lease_ms as f64),
                     &max,
+                    &LEASE_STEP,
                     &resume_type,
                     &resume_id,
                 ],
@@ -368,18 +372,16 @@ impl Relay {
             return Ok(None);
         }
         let max = i32::try_from(self.settings.max_events).unwrap_or(i32::MAX);
-        let (mut types, mut ids, mut seqs) = (Vec::new(), Vec::new(), Vec::new());
-        for ((t, i), seq) in &self.in_hand {
-            types.push(t.as_str());
-            ids.push(i.as_str());
-            seqs.push(*seq);
-        }
+        // Keyed 'type/id': an aggregate type has no '/'.
+        let in_hand: serde_json::Map<String, serde_json::Value> = self
+            .in_hand
+            .iter()
+            .map(|((t, i), seq)| (format!("{t}/{i}"), (*seq).into()))
+            .collect();
+        let in_hand = serde_json::Value::Object(in_hand);
         let rows = self
             .sql
-            .query(
-                &self.fetch,
-                &[&self.settings.relay, &max, &types, &ids, &seqs],
-            )
+            .query(&self.fetch, &[&self.settings.relay, &max, &in_hand])
             .await?;
         self.saturated = rows.len() >= self.settings.max_events;
         if rows.is_empty() {

@@ -117,6 +117,7 @@ async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
     // expire before another relay takes them), half the time under its own
     // (it resumes them at once). Meanwhile, note how many relays held leases.
     let mut kills = 0;
+    let mut logs = Vec::new();
     let mut most_relays = 0;
     let mut generation = 0;
     while writers.iter().any(|w| !w.is_finished()) || kills < 6 {
@@ -125,6 +126,7 @@ async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
         most_relays = most_relays.max(poll_status(&admin).await.3);
         let victim = rand::rng().random_range(0..relays.len());
         let (name, forwarder) = relays.remove(victim);
+        logs.push(forwarder.log.clone());
         forwarder.kill9().await;
         kills += 1;
         let name = if kills % 2 == 0 {
@@ -142,21 +144,23 @@ async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
 
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
-    eprintln!("{kills} relays killed; {verdict:?}");
+    logs.extend(relays.iter().map(|(_, f)| f.log.clone()));
+    let takeovers: usize = logs
+        .iter()
+        .map(|l| {
+            std::fs::read_to_string(l)
+                .unwrap_or_default()
+                .matches("took over an expired lease")
+                .count()
+        })
+        .sum();
+    eprintln!("{kills} relays killed, {takeovers} expired leases taken over; {verdict:?}");
     assert!(verdict.committed > 500, "{verdict:?}");
     assert_eq!(verdict.lost, 0, "{verdict:?}");
     assert_eq!(verdict.order_violations, 0, "{verdict:?}");
     assert_eq!(verdict.phantoms, 0, "{verdict:?}");
     assert!(kills >= 5, "only {kills} kills");
     assert!(most_relays >= 2, "the relays never shared the work");
-    let took_over = relays
-        .iter()
-        .any(|(_, f)| f.log_text().contains("took over an expired lease"));
-    assert!(
-        took_over,
-        "no relay took over an expired lease of a killed one"
-    );
-
     // Everything published is done: the pending set drains.
     wait_until(WAIT, "the pending set to drain", || async {
         poll_status(&admin).await.1 == 0
@@ -312,5 +316,160 @@ async fn a_relay_says_what_is_wrong_where_polling_cannot_run() {
         .await
         .expect_err("the relay's role deleted from outbox.pending directly");
     assert_eq!(refused.code().map(|c| c.code()), Some("42501"), "{refused}");
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_forwarder_takes_over_from_polling_relays_where_they_stopped() {
+    let db = TestDb::create("poll_to_slot").await;
+    let admin = db.admin().await;
+    admin
+        .batch_execute("SELECT outbox.enable_polling()")
+        .await
+        .expect("enable polling");
+    let topic = db.create_topic("acct", 2).await;
+    let url = poller_url(&db).await;
+    let emit_round = |n: usize| {
+        let admin = &admin;
+        async move {
+            for i in 0..n {
+                emit(admin, "acct", &format!("acct-{}", i % 5), "Moved", "{}").await;
+            }
+        }
+    };
+
+    // A team starts with polling.
+    let poller = relay(&db, &url, "before-the-slot");
+    emit_round(10).await;
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "10 records", |r| r.len() >= 10)
+        .await;
+    wait_until(WAIT, "the pending set to drain", || async {
+        poll_status(&admin).await.1 == 0
+    })
+    .await;
+    let status = poller.signal_and_wait("TERM").await;
+    assert!(status.success(), "{status:?}");
+
+    // Five more while no relay runs, then the slot forwarder's first start:
+    // its catch-up delivers those five, not the ten the relay published.
+    emit_round(5).await;
+    let forwarder = Forwarder::spawn(&db, &[]);
+    db.wait_slot_active(WAIT).await;
+    emit_round(3).await;
+    // Polling off: the slot alone from here.
+    let forgotten: i64 = admin
+        .query_one("SELECT outbox.disable_polling()", &[])
+        .await
+        .expect("disable polling")
+        .get(0);
+    // The slot does not mark events done: the five and the three it
+    // delivered were still pending.
+    assert_eq!(forgotten, 8, "pending when polling stopped");
+    emit_round(2).await;
+
+    let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
+    assert_eq!(verdict.committed, 20, "{verdict:?}");
+    assert_eq!(verdict.lost, 0, "{verdict:?}");
+    assert_eq!(verdict.duplicates, 0, "{verdict:?}");
+    assert_eq!(verdict.order_violations, 0, "{verdict:?}");
+    assert!(
+        forwarder
+            .log_text()
+            .contains("the catch-up delivers only the events still pending"),
+        "{}",
+        forwarder.log_text()
+    );
+    forwarder.kill9().await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
+    let db = TestDb::create("poll_expiry").await;
+    let admin = db.admin().await;
+    admin
+        .batch_execute("SELECT outbox.enable_polling()")
+        .await
+        .expect("enable polling");
+    let topic = db.create_topic("acct", 1).await;
+    let url = poller_url(&db).await;
+
+    // Three events of acct-1 and one of acct-2 pending, and a relay that
+    // froze right after leasing acct-1 for 5 s (its lease taken here, in its
+    // name: the first pending aggregate in key order).
+    for _ in 0..3 {
+        emit(&admin, "acct", "acct-1", "Moved", "{}").await;
+    }
+    emit(&admin, "acct", "acct-2", "Moved", "{}").await;
+    let poller = pg_outbox_tests::connect(&url).await;
+    let leased: String = poller
+        .query_one(
+            "SELECT aggregate_id FROM outbox.poll_lease('frozen', '5 seconds', 1, 1)",
+            &[],
+        )
+        .await
+        .expect("lease in the frozen relay's name")
+        .get(0);
+    assert_eq!(leased, "acct-1");
+    let expires: std::time::SystemTime = admin
+        .query_one(
+            "SELECT expires_at FROM outbox.poll_leases WHERE relay = 'frozen'",
+            &[],
+        )
+        .await
+        .expect("the frozen relay's lease")
+        .get(0);
+
+    // A live relay publishes acct-2, and leaves acct-1 alone while the
+    // frozen relay's lease lasts.
+    let live = relay(&db, &url, "live");
+    let sample = "SELECT clock_timestamp() < $1, \
+                         (SELECT relay FROM outbox.poll_leases WHERE aggregate_id = 'acct-1'), \
+                         (SELECT count(*) FROM outbox.pending WHERE aggregate_id = 'acct-1'), \
+                         (SELECT count(*) FROM outbox.pending WHERE aggregate_id = 'acct-2')";
+    let mut saw_acct2_done = false;
+    loop {
+        let row = admin.query_one(sample, &[&expires]).await.expect("sample");
+        let (lease_lives, holder, acct1, acct2): (bool, Option<String>, i64, i64) =
+            (row.get(0), row.get(1), row.get(2), row.get(3));
+        if !lease_lives {
+            break;
+        }
+        assert_eq!(
+            holder.as_deref(),
+            Some("frozen"),
+            "acct-1's lease was taken before it expired"
+        );
+        assert_eq!(
+            acct1, 3,
+            "acct-1 published while another relay held its lease"
+        );
+        saw_acct2_done |= acct2 == 0;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        saw_acct2_done,
+        "the live relay did not publish the free aggregate within 5 s"
+    );
+
+    // Expired: the live relay takes acct-1 over, from its first event.
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    reader
+        .read_until(WAIT, "all four events", |r| r.len() >= 4)
+        .await;
+    let seqs: Vec<i64> = reader
+        .records
+        .iter()
+        .filter(|r| r.key == "acct-1")
+        .map(|r| r.seq())
+        .collect();
+    assert_eq!(seqs, [1, 2, 3]);
+    wait_until(WAIT, "the takeover in the live relay's log", || async {
+        live.log_text().contains("took over an expired lease")
+    })
+    .await;
+    live.kill9().await;
     db.drop().await;
 }

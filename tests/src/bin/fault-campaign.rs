@@ -132,7 +132,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if args.poll {
         if mode_given && args.exactly_once {
-            return Err("--source poll delivers at least once: leave out --mode exactly-once".into());
+            return Err(
+                "--source poll delivers at least once: leave out --mode exactly-once".into(),
+            );
         }
         if args.failover {
             return Err("--source poll runs without --failover".into());
@@ -274,7 +276,11 @@ async fn main() -> ExitCode {
             .batch_execute("SELECT outbox.enable_polling()")
             .await
             .expect("enable polling");
-        let a: Vec<&str> = mode.iter().copied().chain(["--relay-name", "steady"]).collect();
+        let a: Vec<&str> = mode
+            .iter()
+            .copied()
+            .chain(["--relay-name", "steady"])
+            .collect();
         Some(Forwarder::spawn(&db, &a))
     } else {
         None
@@ -418,8 +424,7 @@ async fn main() -> ExitCode {
                         &[&db.slot],
                     )
                     .await;
-                let zombie =
-                    std::mem::replace(&mut forwarder, spawn(&db, &relay_args(true), &[]));
+                let zombie = std::mem::replace(&mut forwarder, spawn(&db, &relay_args(true), &[]));
                 // A polling zombie sleeps past its leases, which the others take over.
                 let sleep = if args.poll { 1000..4000 } else { 100..1500 };
                 tokio::time::sleep(Duration::from_millis(rng.random_range(sleep))).await;
