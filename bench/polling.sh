@@ -75,6 +75,7 @@ BEGIN
 END
 \$\$;
 CREATE TABLE public.pending_copy AS SELECT * FROM outbox.pending;
+ANALYZE outbox.events;
 SQL
 end_lsn=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
 

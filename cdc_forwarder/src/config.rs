@@ -358,7 +358,7 @@ impl Default for PollSettings {
             relay: format!("{}:{}", hostname(), std::process::id()),
             interval: Duration::from_millis(100),
             lease: Duration::from_secs(5),
-            max_events: 1_000,
+            max_events: 5_000,
             max_aggregates: 1_000,
         }
     }

@@ -52,7 +52,7 @@ pub struct Options {
     #[arg(long, env = "OUTBOX_POLL_LEASE_MS", default_value_t = 5000)]
     pub poll_lease_ms: u64,
     /// Polling: events fetched at a time.
-    #[arg(long, env = "OUTBOX_POLL_MAX_EVENTS", default_value_t = 1000)]
+    #[arg(long, env = "OUTBOX_POLL_MAX_EVENTS", default_value_t = 5000)]
     pub poll_max_events: usize,
     /// Polling: aggregates one relay leases at a time.
     #[arg(long, env = "OUTBOX_POLL_MAX_AGGREGATES", default_value_t = 1000)]

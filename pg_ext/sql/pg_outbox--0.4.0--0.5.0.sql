@@ -201,11 +201,14 @@ AS $$
          ORDER BY p.turn, l.aggregate_type, l.aggregate_id
          LIMIT max_events
     )
+    -- One probe of the events' key per picked event, whatever the
+    -- statistics say.
     SELECT e.*
       FROM picked k
-      JOIN outbox.events e
-        ON e.aggregate_type = k.aggregate_type AND e.aggregate_id = k.aggregate_id
-       AND e.aggregate_seq = k.aggregate_seq
+     CROSS JOIN LATERAL (
+        SELECT * FROM outbox.events v
+         WHERE v.aggregate_type = k.aggregate_type AND v.aggregate_id = k.aggregate_id
+           AND v.aggregate_seq = k.aggregate_seq) e
      ORDER BY k.turn, k.aggregate_type, k.aggregate_id;
 $$;
 COMMENT ON FUNCTION outbox.poll_fetch(text, integer, jsonb) IS
