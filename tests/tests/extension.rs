@@ -1372,3 +1372,82 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
     drop_databases(&[&name]).await;
     let _ = std::fs::remove_dir_all(&release);
 }
+
+/// The last commit whose sql/pg_outbox_sql.sql is the released 0.4.0 edition.
+const RELEASED_0_4_0_EDITION: &str = "5d8a624";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_released_0_4_0_sql_edition_upgrades_to_todays_in_place() {
+    if Edition::skip_on_sql("it installs both editions itself, in the extension pass") {
+        return;
+    }
+    let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let released = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&root)
+        .args([
+            "show",
+            &format!("{RELEASED_0_4_0_EDITION}:sql/pg_outbox_sql.sql"),
+        ])
+        .output()
+        .expect("git show the released 0.4.0 edition");
+    assert!(
+        released.status.success(),
+        "the released 0.4.0 edition is read from git history: {}",
+        String::from_utf8_lossy(&released.stderr)
+    );
+    let file = std::env::temp_dir()
+        .join(unique("edition_0_4_0"))
+        .with_extension("sql");
+    std::fs::write(&file, &released.stdout).expect("write the 0.4.0 edition");
+
+    let stack = pg_outbox_tests::Stack::from_env();
+    let owner = pg_outbox_tests::user_of(&stack.owner_url).to_owned();
+    let old = scratch_database("t_ed040", Some(&owner)).await;
+    let fresh = scratch_database("t_edfresh", Some(&owner)).await;
+    let old_url = with_database(&stack.owner_url, &old);
+    let (ok, stderr) = pg_outbox_tests::psql_file(&old_url, &file).await;
+    assert!(ok, "{stderr}");
+    let client = connect(&old_url).await;
+    assert_eq!(
+        edition_state(&client).await.0,
+        "pg_outbox SQL edition 0.4.0"
+    );
+    for _ in 0..3 {
+        client
+            .query_one(
+                "SELECT * FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
+                &[],
+            )
+            .await
+            .expect("emit on 0.4.0");
+    }
+
+    // Today's file over it: upgraded in place, the same catalog as a fresh
+    // install of today's, the events kept and numbered on.
+    pg_outbox_tests::install_sql_edition(&old_url).await;
+    pg_outbox_tests::install_sql_edition(&with_database(&stack.owner_url, &fresh)).await;
+    let fresh_client = connect(&with_database(&stack.owner_url, &fresh)).await;
+    assert_eq!(
+        catalog::describe(&client).await,
+        catalog::describe(&fresh_client).await
+    );
+    let today = extension_version(&root);
+    assert_eq!(
+        edition_state(&client).await.0,
+        format!("pg_outbox SQL edition {today}")
+    );
+    assert_eq!(count(&client, "events").await, 3);
+    let next: i64 = client
+        .query_one(
+            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
+            &[],
+        )
+        .await
+        .expect("emit after the upgrade")
+        .get(0);
+    assert_eq!(next, 4);
+    drop((client, fresh_client));
+    drop_databases(&[&old, &fresh]).await;
+    let _ = std::fs::remove_file(&file);
+}
