@@ -1266,6 +1266,33 @@ async fn edition_state(client: &Client) -> (String, Option<String>, bool) {
     (row.get(0), row.get(1), row.get(2))
 }
 
+/// Three events of aggregate o-1 in an edition about to be upgraded.
+async fn emit_three(client: &Client) {
+    for _ in 0..3 {
+        client
+            .query_one(
+                "SELECT * FROM outbox.emit_event('order', 'o-1', 'E', '{}', idempotency_key => NULL)",
+                &[],
+            )
+            .await
+            .expect("emit before the upgrade");
+    }
+}
+
+/// After the upgrade: the three events are kept and o-1 numbers on from 4.
+async fn assert_kept_and_numbered_on(client: &Client) {
+    assert_eq!(count(client, "events").await, 3);
+    let next: i64 = client
+        .query_one(
+            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
+            &[],
+        )
+        .await
+        .expect("emit after the upgrade")
+        .get(0);
+    assert_eq!(next, 4);
+}
+
 /// The extension's version, as its crate declares it.
 fn extension_version(root: &std::path::Path) -> String {
     let manifest =
@@ -1323,15 +1350,7 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
     let url = with_database(&stack.owner_url, &name);
     pg_outbox_tests::install_sql_edition(&url).await;
     let client = connect(&url).await;
-    for _ in 0..3 {
-        client
-            .query_one(
-                "SELECT * FROM outbox.emit_event('order', 'o-1', 'E', '{}', idempotency_key => NULL)",
-                &[],
-            )
-            .await
-            .expect("emit");
-    }
+    emit_three(&client).await;
     assert_eq!(
         edition_state(&client).await.0,
         format!("pg_outbox SQL edition {today}")
@@ -1348,16 +1367,7 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
             true
         )
     );
-    assert_eq!(count(&client, "events").await, 3);
-    let next: i64 = client
-        .query_one(
-            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
-            &[],
-        )
-        .await
-        .expect("emit after the upgrade")
-        .get(0);
-    assert_eq!(next, 4);
+    assert_kept_and_numbered_on(&client).await;
 
     // Again: nothing changes. The older file over it: refused.
     let before = catalog::describe(&client).await;
@@ -1413,15 +1423,7 @@ async fn the_released_0_4_0_sql_edition_upgrades_to_todays_in_place() {
         edition_state(&client).await.0,
         "pg_outbox SQL edition 0.4.0"
     );
-    for _ in 0..3 {
-        client
-            .query_one(
-                "SELECT * FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
-                &[],
-            )
-            .await
-            .expect("emit on 0.4.0");
-    }
+    emit_three(&client).await;
 
     // Today's file over it: upgraded in place, the same catalog as a fresh
     // install of today's, the events kept and numbered on.
@@ -1437,16 +1439,7 @@ async fn the_released_0_4_0_sql_edition_upgrades_to_todays_in_place() {
         edition_state(&client).await.0,
         format!("pg_outbox SQL edition {today}")
     );
-    assert_eq!(count(&client, "events").await, 3);
-    let next: i64 = client
-        .query_one(
-            "SELECT aggregate_seq FROM outbox.emit_event('order', 'o-1', 'E', '{}')",
-            &[],
-        )
-        .await
-        .expect("emit after the upgrade")
-        .get(0);
-    assert_eq!(next, 4);
+    assert_kept_and_numbered_on(&client).await;
     drop((client, fresh_client));
     drop_databases(&[&old, &fresh]).await;
     let _ = std::fs::remove_file(&file);
