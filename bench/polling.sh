@@ -8,8 +8,8 @@
 #      is pending. CPU seconds per million events of the relays.
 #   2. latency at a fixed rate of single-event transactions (latency-probe:
 #      Kafka append time and a live consumer's receive time minus the
-#      commit-time clock in the payload), slot and one polling relay with
-#      the default poll interval.
+#      commit-time clock in the payload), slot, one polling relay and two,
+#      with the default poll interval.
 #   3. what the pending bookkeeping costs emit_event: pgbench, a business
 #      INSERT plus emit_event at 8 clients, polling off and on in
 #      alternating order over rounds; the ratio is taken within a round.
@@ -128,25 +128,28 @@ done
 
 # --- 2. latency ----------------------------------------------------------------
 declare -A lat
-for who in slot poll; do
+for who in slot "poll x1" "poll x2"; do
     say "latency: $who, $RATE transactions/s for $SECONDS_ s"
     bench_database $DB --create
     psql_admin -d $DB -c "SELECT outbox.enable_polling()" >/dev/null
-    prefix="pollbench-lat-$run_id-$who"
-    if [ $who = slot ]; then
+    prefix="pollbench-lat-$run_id-${who// /}"
+    pids=()
+    if [ "$who" = slot ]; then
         "$FWD" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot $SLOT \
             --topic-template "$prefix.{aggregate_type}" 2>/tmp/bench-poll-lat.log &
-        pid=$!
+        pids+=($!)
         until [ "$(psql_admin -d $DB -c "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '$SLOT' AND active")" = 1 ]; do sleep 0.1; done
     else
-        "$FWD" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --source poll \
-            --topic-template "$prefix.{aggregate_type}" 2>/tmp/bench-poll-lat.log &
-        pid=$!
+        for r in $(seq 1 "${who#poll x}"); do
+            "$FWD" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --source poll \
+                --relay-name "lat-$r" --topic-template "$prefix.{aggregate_type}" 2>/tmp/bench-poll-lat-$r.log &
+            pids+=($!)
+        done
         sleep 1
     fi
     lat[$who]=$("$PROBE" "postgres://postgres:$PG_SUPERUSER_PASSWORD@127.0.0.1:$PG_PORT/$DB?sslmode=disable" \
         "$KAFKA_BOOTSTRAP" "$prefix.lat" "$RATE" "$SECONDS_")
-    kill -TERM $pid; wait $pid || true
+    for p in "${pids[@]}"; do kill -TERM "$p"; wait "$p" || true; done
 done
 bench_database $DB
 
@@ -167,7 +170,7 @@ tps() {
     PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=disable pgbench -h 127.0.0.1 -p "$PG_PORT" -U postgres -n -M prepared \
         -T 5 -c 8 -j 2 -f "$dir/emit.sql" $DB 2>/dev/null | awk '/^tps/ {printf "%d", $3}'
 }
-polling() { psql_admin -d $DB -c "SELECT outbox.$1_polling()" >/dev/null; }
+polling() { psql_admin -d $DB -c "SET client_min_messages = warning" -c "SELECT outbox.$1_polling()" >/dev/null; }
 off_runs=(); on_runs=(); ratios=()
 for round in $(seq 1 "$ROUNDS"); do
     if (( round % 2 )); then
@@ -187,7 +190,7 @@ for who in slot "poll x1" "poll x2"; do
     printf '%-34s %10s %8.2f %10s %8s\n' "$who" "${rate[$who]}" "$(echo "scale=3; ${rate[$who]} / ${rate[slot]}" | bc)" "${cpu[$who]}" "${rss[$who]}"
 done
 printf '\nlatency, %s single-event transactions/s for %s s, milliseconds (default poll interval)\n' "$RATE" "$SECONDS_"
-for who in slot poll; do printf '%-10s %s\n' "$who" "${lat[$who]}"; done
+for who in slot "poll x1" "poll x2"; do printf '%-10s %s\n' "$who" "${lat[$who]}"; done
 printf '\nemit_event + business INSERT, 8 clients, median of %s rounds\n' "$ROUNDS"
 printf '%-34s %10s %8s\n' "polling off (slot only)" "$(median "${off_runs[@]}")" "1.00"
 printf '%-34s %10s %8s\n' "polling on (pending row by trigger)" "$(median "${on_runs[@]}")" "$(median "${ratios[@]}")"

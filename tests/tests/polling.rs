@@ -7,8 +7,8 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    committed_events, emit, forwarder_command, read_every_committed, wait_until, with_database,
-    Forwarder, Reader, TestDb,
+    committed_events, emit, forwarder_command, free_port, http_get, parse_metrics,
+    read_every_committed, wait_until, with_database, Forwarder, Reader, TestDb,
 };
 use rand::Rng;
 use tokio_postgres::Client;
@@ -35,22 +35,24 @@ async fn poller_url(db: &TestDb) -> String {
 }
 
 fn relay(db: &TestDb, url: &str, name: &str) -> Forwarder {
-    Forwarder::spawn_connected(
-        db,
-        &[
-            "--postgres-url",
-            url,
-            "--kafka-bootstrap",
-            &db.stack.kafka,
-            "--source",
-            "poll",
-            "--relay-name",
-            name,
-            "--poll-lease-ms",
-            LEASE_MS,
-        ],
-        &[],
-    )
+    relay_with(db, url, name, &[])
+}
+
+fn relay_with(db: &TestDb, url: &str, name: &str, extra: &[&str]) -> Forwarder {
+    let mut args = vec![
+        "--postgres-url",
+        url,
+        "--kafka-bootstrap",
+        &db.stack.kafka,
+        "--source",
+        "poll",
+        "--relay-name",
+        name,
+        "--poll-lease-ms",
+        LEASE_MS,
+    ];
+    args.extend(extra);
+    Forwarder::spawn_connected(db, &args, &[])
 }
 
 async fn poll_status(client: &Client) -> (bool, i64, i64, i64) {
@@ -397,7 +399,7 @@ async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
     let url = poller_url(&db).await;
 
     // Three events of acct-1 and one of acct-2 pending, and a relay that
-    // froze right after leasing acct-1 for 5 s (its lease taken here, in its
+    // froze right after leasing acct-1 for 8 s (its lease taken here, in its
     // name: the first pending aggregate in key order).
     for _ in 0..3 {
         emit(&admin, "acct", "acct-1", "Moved", "{}").await;
@@ -406,7 +408,7 @@ async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
     let poller = pg_outbox_tests::connect(&url).await;
     let leased: String = poller
         .query_one(
-            "SELECT aggregate_id FROM outbox.poll_lease('frozen', '5 seconds', 1, 1)",
+            "SELECT aggregate_id FROM outbox.poll_lease('frozen', '8 seconds', 1, 1)",
             &[],
         )
         .await
@@ -423,8 +425,17 @@ async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
         .get(0);
 
     // A live relay publishes acct-2, and leaves acct-1 alone while the
-    // frozen relay's lease lasts.
-    let live = relay(&db, &url, "live");
+    // frozen relay's lease lasts; its metrics show acct-1's three pending.
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let live = relay_with(&db, &url, "live", &["--metrics-listen", &listen]);
+    let scrape = || async {
+        http_get(port, "/metrics")
+            .await
+            .map(|(_, body)| parse_metrics(&body))
+            .unwrap_or_default()
+    };
+    let mut metrics_showed_pending = false;
     let sample = "SELECT clock_timestamp() < $1, \
                          (SELECT relay FROM outbox.poll_leases WHERE aggregate_id = 'acct-1'), \
                          (SELECT count(*) FROM outbox.pending WHERE aggregate_id = 'acct-1'), \
@@ -447,11 +458,21 @@ async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
             "acct-1 published while another relay held its lease"
         );
         saw_acct2_done |= acct2 == 0;
+        if saw_acct2_done && !metrics_showed_pending {
+            let m = scrape().await;
+            metrics_showed_pending = m.get("outbox_poll_pending_events") == Some(&3.0)
+                && m.get("outbox_poll_oldest_pending_milliseconds") > Some(&0.0);
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
+        metrics_showed_pending,
+        "/metrics never showed the three pending events of acct-1: {:?}",
+        scrape().await
+    );
+    assert!(
         saw_acct2_done,
-        "the live relay did not publish the free aggregate within 5 s"
+        "the live relay did not publish the free aggregate within 8 s"
     );
 
     // Expired: the live relay takes acct-1 over, from its first event.
@@ -469,6 +490,17 @@ async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
     wait_until(WAIT, "the takeover in the live relay's log", || async {
         live.log_text().contains("took over an expired lease")
     })
+    .await;
+    wait_until(
+        WAIT,
+        "the metrics to count the takeover and no pending",
+        || async {
+            let m = scrape().await;
+            m.get("outbox_poll_leases_taken_over_total") == Some(&1.0)
+                && m.get("outbox_poll_pending_events") == Some(&0.0)
+                && m.get("outbox_events_forwarded_total") == Some(&4.0)
+        },
+    )
     .await;
     live.kill9().await;
     db.drop().await;
