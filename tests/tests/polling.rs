@@ -34,6 +34,22 @@ async fn poller_url(db: &TestDb) -> String {
     url.replacen("outbox_forwarder:forwarder", "outbox_poller:poller", 1)
 }
 
+/// A database with polling enabled (asserted: it was off), the topic of
+/// aggregate type `acct` and the relays' URL.
+async fn polling_db(test: &str, partitions: i32) -> (TestDb, Client, String, String) {
+    let db = TestDb::create(test).await;
+    let admin = db.admin().await;
+    let enabled: bool = admin
+        .query_one("SELECT outbox.enable_polling()", &[])
+        .await
+        .expect("enable polling")
+        .get(0);
+    assert!(enabled);
+    let topic = db.create_topic("acct", partitions).await;
+    let url = poller_url(&db).await;
+    (db, admin, topic, url)
+}
+
 fn relay(db: &TestDb, url: &str, name: &str) -> Forwarder {
     relay_with(db, url, name, &[])
 }
@@ -68,16 +84,7 @@ async fn poll_status(client: &Client) -> (bool, i64, i64, i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
-    let db = TestDb::create("poll_kill").await;
-    let admin = db.admin().await;
-    let enabled: bool = admin
-        .query_one("SELECT outbox.enable_polling()", &[])
-        .await
-        .expect("enable polling")
-        .get(0);
-    assert!(enabled);
-    let topic = db.create_topic("acct", 3).await;
-    let url = poller_url(&db).await;
+    let (db, admin, topic, url) = polling_db("poll_kill", 3).await;
 
     let mut relays: Vec<(String, Forwarder)> = (0..3)
         .map(|i| {
@@ -176,14 +183,7 @@ async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_relay_gives_its_leases_back_and_retention_waits_for_pending_events() {
-    let db = TestDb::create("poll_stop").await;
-    let admin = db.admin().await;
-    admin
-        .batch_execute("SELECT outbox.enable_polling()")
-        .await
-        .expect("enable polling");
-    let topic = db.create_topic("acct", 1).await;
-    let url = poller_url(&db).await;
+    let (db, admin, topic, url) = polling_db("poll_stop", 1).await;
 
     // Pending and older than the retention window, with no relay running:
     // retention keeps them (each aggregate has a newer event too).
@@ -323,14 +323,7 @@ async fn a_relay_says_what_is_wrong_where_polling_cannot_run() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_forwarder_takes_over_from_polling_relays_where_they_stopped() {
-    let db = TestDb::create("poll_to_slot").await;
-    let admin = db.admin().await;
-    admin
-        .batch_execute("SELECT outbox.enable_polling()")
-        .await
-        .expect("enable polling");
-    let topic = db.create_topic("acct", 2).await;
-    let url = poller_url(&db).await;
+    let (db, admin, topic, url) = polling_db("poll_to_slot", 2).await;
     let emit_round = |n: usize| {
         let admin = &admin;
         async move {
@@ -389,14 +382,7 @@ async fn a_slot_forwarder_takes_over_from_polling_relays_where_they_stopped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
-    let db = TestDb::create("poll_expiry").await;
-    let admin = db.admin().await;
-    admin
-        .batch_execute("SELECT outbox.enable_polling()")
-        .await
-        .expect("enable polling");
-    let topic = db.create_topic("acct", 1).await;
-    let url = poller_url(&db).await;
+    let (db, admin, topic, url) = polling_db("poll_expiry", 1).await;
 
     // Three events of acct-1 and one of acct-2 pending, and a relay that
     // froze right after leasing acct-1 for 8 s (its lease taken here, in its
