@@ -1,5 +1,5 @@
--- pg_outbox SQL edition 0.5.0: the outbox schema and functions of the
--- pg_outbox extension 0.5.0, for PostgreSQL where the extension's library
+-- pg_outbox SQL edition 0.6.0: the outbox schema and functions of the
+-- pg_outbox extension 0.6.0, for PostgreSQL where the extension's library
 -- cannot be installed (managed services). Run it as the database owner, a
 -- role with CREATEROLE (or with the outbox_* roles already made) and CREATE
 -- on the database; no superuser is needed:
@@ -32,8 +32,8 @@ BEGIN
             USING ERRCODE = 'PO012', HINT = 'Install into a database without a schema named outbox.';
     END IF;
     IF pg_catalog.string_to_array(pg_catalog.substr(installed, 23), '.')::int[]
-       > pg_catalog.string_to_array('0.5.0', '.')::int[] THEN
-        RAISE EXCEPTION '% is installed, newer than this file (%)', installed, '0.5.0'
+       > pg_catalog.string_to_array('0.6.0', '.')::int[] THEN
+        RAISE EXCEPTION '% is installed, newer than this file (%)', installed, '0.6.0'
             USING ERRCODE = 'PO012', HINT = 'Run the newest pg_outbox_sql.sql; editions are not downgraded.';
     END IF;
 END
@@ -387,6 +387,8 @@ BEGIN
         -- the function. The lock first: the INSERT starts once it is
         -- granted, so its snapshot holds every event of the aggregate
         -- committed before, and it reads the newest sequence itself.
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
         PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
                                    schema_version, payload, headers, topic)
@@ -414,6 +416,8 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
                                   HINT = refusal.refused_hint;
         END IF;
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
 
         -- Valid, with an idempotency key, a snapshot older than the
         -- statement (REPEATABLE READ, SERIALIZABLE), headers or a topic:
@@ -504,6 +508,8 @@ BEGIN
                                    CASE WHEN jsonb_typeof(e.v->'payload') = 'null' THEN NULL ELSE e.v->'payload' END,
                                    nullif(e.v->'headers', 'null'::jsonb),
                                    coalesce((e.v->>'schema_version')::integer, 1), e.v->>'topic');
+        PERFORM outbox.check_payload(e.v->>'aggregate_type', e.v->>'event_type',
+                                     coalesce((e.v->>'schema_version')::integer, 1), e.v->'payload');
     END LOOP;
 
     -- Lock the aggregates in one sorted pass: concurrent batches take the
@@ -1053,6 +1059,421 @@ GRANT EXECUTE ON FUNCTION outbox.poll_release(text) TO outbox_relay;
 GRANT EXECUTE ON FUNCTION outbox.poll_status() TO outbox_relay;
 
 ------------------------------------------------------------------------------
+-- Event contracts: a JSON Schema per (aggregate type, event type, schema
+-- version), registered by the owner or a member of outbox_schema_admin and
+-- immutable once registered (a change is a new version). emit_event and
+-- emit_events check each payload against the schema of its event type and
+-- version. What a mismatch does is set per aggregate type in
+-- outbox.schema_checks: 'enforce' (the default: refused with PO020; a
+-- version without a schema, where the event type has others, with PO021),
+-- 'warn' (a WARNING, and the event is stored) or 'off'. An event type
+-- without any schema is not checked.
+
+DO $roles$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_schema_admin') THEN
+        CREATE ROLE outbox_schema_admin NOLOGIN;
+    END IF;
+END
+$roles$;
+GRANT USAGE ON SCHEMA outbox TO outbox_schema_admin;
+
+CREATE TABLE outbox.event_schemas (
+    aggregate_type text        COLLATE "C" NOT NULL,
+    event_type     text        NOT NULL,
+    schema_version integer     NOT NULL CHECK (schema_version >= 1),
+    schema         jsonb       NOT NULL,
+    registered_at  timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    registered_by  name        NOT NULL DEFAULT pg_catalog."session_user"(),
+    PRIMARY KEY (aggregate_type, event_type, schema_version)
+);
+COMMENT ON TABLE outbox.event_schemas IS 'JSON Schemas of event payloads, by aggregate type, event type and schema version; immutable (outbox.register_schema).';
+
+CREATE TABLE outbox.schema_checks (
+    aggregate_type text        COLLATE "C" PRIMARY KEY,
+    mode           text        NOT NULL CHECK (mode IN ('off', 'warn', 'enforce')),
+    set_at         timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    set_by         name        NOT NULL DEFAULT pg_catalog."session_user"()
+);
+COMMENT ON TABLE outbox.schema_checks IS 'What a payload that breaks its schema does, per aggregate type (outbox.set_schema_check); enforce without a row.';
+
+CREATE FUNCTION outbox.refuse_schema_change() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RAISE EXCEPTION 'registered schemas are immutable'
+        USING ERRCODE = 'PO023', HINT = 'Register the change as a new schema_version with outbox.register_schema.';
+END
+$$;
+CREATE TRIGGER event_schemas_immutable BEFORE UPDATE OR DELETE ON outbox.event_schemas
+    FOR EACH ROW EXECUTE FUNCTION outbox.refuse_schema_change();
+CREATE TRIGGER event_schemas_kept BEFORE TRUNCATE ON outbox.event_schemas
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.refuse_schema_change();
+
+-- Tells every backend, at commit, to read both tables again (the extension
+-- keeps them, compiled, for the life of a backend).
+CREATE FUNCTION outbox.schemas_changed() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- Nothing is kept between calls here: check_payload reads the tables.
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER event_schemas_changed AFTER INSERT ON outbox.event_schemas
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.schemas_changed();
+CREATE TRIGGER schema_checks_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.schema_checks
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.schemas_changed();
+
+-- Why the validator cannot use a schema, or NULL.
+CREATE FUNCTION outbox.schema_problem(schema jsonb) RETURNS text
+LANGUAGE plpgsql STRICT IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- The SQL edition checks a subset of JSON Schema (see check_payload) and
+-- refuses a schema that uses anything else, rather than let it pass
+-- unchecked.
+DECLARE
+    stack jsonb[] := ARRAY[schema];
+    paths text[] := ARRAY[''];
+    s jsonb;
+    p text;
+    k text;
+    v jsonb;
+BEGIN
+    WHILE cardinality(stack) > 0 LOOP
+        s := stack[cardinality(stack)];
+        p := paths[cardinality(paths)];
+        stack := stack[1:cardinality(stack) - 1];
+        paths := paths[1:cardinality(paths) - 1];
+        CONTINUE WHEN jsonb_typeof(s) = 'boolean';
+        IF jsonb_typeof(s) <> 'object' THEN
+            RETURN format('at %s: a schema is an object or a boolean, not %s', coalesce(nullif(p, ''), '/'), jsonb_typeof(s));
+        END IF;
+        FOR k, v IN SELECT e.key, e.value FROM jsonb_each(s) e LOOP
+            CASE
+            WHEN k IN ('$schema', '$id', '$comment', 'title', 'description', 'default', 'examples',
+                       'format', 'deprecated', 'readOnly', 'writeOnly') THEN
+                NULL;
+            WHEN k = 'type' THEN
+                IF EXISTS (SELECT 1 FROM jsonb_array_elements(CASE jsonb_typeof(v) WHEN 'array' THEN v ELSE jsonb_build_array(v) END) t
+                            WHERE t NOT IN ('"object"', '"array"', '"string"', '"number"', '"integer"', '"boolean"', '"null"')) THEN
+                    RETURN format('at %s/type: %s is not a JSON Schema type', p, v);
+                END IF;
+            WHEN k IN ('minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf',
+                       'minLength', 'maxLength', 'minItems', 'maxItems', 'minProperties', 'maxProperties') THEN
+                IF jsonb_typeof(v) <> 'number' THEN
+                    RETURN format('at %s/%s: %s is not a number', p, k, v);
+                END IF;
+            WHEN k = 'required' THEN
+                IF jsonb_typeof(v) <> 'array' OR EXISTS (SELECT 1 FROM jsonb_array_elements(v) r WHERE jsonb_typeof(r) <> 'string') THEN
+                    RETURN format('at %s/required: %s is not an array of strings', p, v);
+                END IF;
+            WHEN k IN ('enum') THEN
+                IF jsonb_typeof(v) <> 'array' THEN
+                    RETURN format('at %s/enum: %s is not an array', p, v);
+                END IF;
+            WHEN k IN ('const', 'uniqueItems') THEN
+                NULL;
+            WHEN k = 'pattern' THEN
+                BEGIN
+                    PERFORM '' ~ (v #>> '{}');
+                EXCEPTION WHEN invalid_regular_expression THEN
+                    RETURN format('at %s/pattern: %s is not a regular expression', p, v);
+                END;
+            WHEN k = 'properties' THEN
+                IF jsonb_typeof(v) <> 'object' THEN
+                    RETURN format('at %s/properties: %s is not an object', p, v);
+                END IF;
+                stack := stack || ARRAY(SELECT e.value FROM jsonb_each(v) e ORDER BY e.key);
+                paths := paths || ARRAY(SELECT p || '/properties/' || replace(replace(e.key, '~', '~0'), '/', '~1')
+                                          FROM jsonb_each(v) e ORDER BY e.key);
+            WHEN k IN ('items', 'additionalProperties') THEN
+                stack := stack || v;
+                paths := paths || (p || '/' || k);
+            ELSE
+                RETURN format('at %s: the SQL edition does not check the keyword %s; the extension does', coalesce(nullif(p, ''), '/'), k);
+            END CASE;
+        END LOOP;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+-- The check emit_event makes, on its own: nothing when the payload matches
+-- (or has no schema, or its aggregate type is not checked), a WARNING in
+-- 'warn' mode, PO020 or PO021 in 'enforce' mode.
+CREATE FUNCTION outbox.check_payload(aggregate_type text, event_type text, schema_version integer, payload jsonb)
+RETURNS void
+LANGUAGE plpgsql STRICT STABLE PARALLEL RESTRICTED SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- A subset of JSON Schema, walked depth first: type, enum, const, the
+-- numeric bounds and multipleOf, minLength, maxLength, pattern (PostgreSQL's
+-- regular expressions), items, minItems, maxItems, uniqueItems, properties,
+-- required, additionalProperties, minProperties, maxProperties; annotations
+-- are ignored. register_schema refuses any other keyword (schema_problem).
+#variable_conflict use_variable
+DECLARE
+    mode text;
+    root jsonb;
+    known text;
+    stack jsonb[];
+    vals jsonb[];
+    ptrs text[];
+    spaths text[];
+    n integer;
+    s jsonb;
+    v jsonb;
+    p text;
+    sp text;
+    t text;
+    rule text;
+    words text;
+    k text;
+    sub jsonb;
+    extra text;
+BEGIN
+    SELECT coalesce((SELECT c.mode FROM outbox.schema_checks c WHERE c.aggregate_type = check_payload.aggregate_type), 'enforce'),
+           (SELECT e.schema FROM outbox.event_schemas e
+             WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type
+               AND e.schema_version = check_payload.schema_version)
+      INTO mode, root;
+    IF mode = 'off' THEN
+        RETURN;
+    END IF;
+    IF root IS NULL THEN
+        SELECT string_agg(e.schema_version::text, ', ' ORDER BY e.schema_version) INTO known
+          FROM outbox.event_schemas e
+         WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type;
+        IF known IS NULL THEN
+            RETURN;
+        END IF;
+        IF mode = 'enforce' THEN
+            RAISE EXCEPTION 'no schema is registered for % event % version % (registered versions: %)',
+                            aggregate_type, event_type, schema_version, known
+                USING ERRCODE = 'PO021', HINT = 'Register the version with outbox.register_schema, or emit with a registered schema_version.';
+        END IF;
+        RAISE WARNING 'no schema is registered for % event % version % (registered versions: %)',
+                      aggregate_type, event_type, schema_version, known
+            USING ERRCODE = 'PO021', HINT = 'Register the version with outbox.register_schema, or emit with a registered schema_version.';
+        RETURN;
+    END IF;
+
+    stack := ARRAY[root]; vals := ARRAY[payload]; ptrs := ARRAY['']; spaths := ARRAY[''];
+    <<walk>>
+    WHILE cardinality(stack) > 0 LOOP
+        n := cardinality(stack);
+        s := stack[n]; v := vals[n]; p := ptrs[n]; sp := spaths[n];
+        stack := stack[1:n - 1]; vals := vals[1:n - 1]; ptrs := ptrs[1:n - 1]; spaths := spaths[1:n - 1];
+        IF s = 'false'::jsonb THEN
+            rule := 'false'; words := 'False schema does not allow ' || v::text;
+            EXIT walk;
+        END IF;
+        CONTINUE walk WHEN jsonb_typeof(s) <> 'object';
+        t := jsonb_typeof(v);
+        IF s ? 'type' AND NOT EXISTS (
+               SELECT 1 FROM jsonb_array_elements_text(CASE jsonb_typeof(s->'type') WHEN 'array' THEN s->'type'
+                                                       ELSE jsonb_build_array(s->'type') END) want
+                WHERE want = t OR (want = 'integer' AND t = 'number' AND (v #>> '{}')::numeric % 1 = 0)) THEN
+            rule := 'type'; sp := sp || '/type'; words := format('%s is not of type %s', v, s->'type');
+            EXIT walk;
+        END IF;
+        IF s ? 'enum' AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(s->'enum') x WHERE x = v) THEN
+            rule := 'enum'; sp := sp || '/enum'; words := format('%s is not one of %s', v, s->'enum');
+            EXIT walk;
+        END IF;
+        IF s ? 'const' AND s->'const' <> v THEN
+            rule := 'const'; sp := sp || '/const'; words := format('%s was expected', s->'const');
+            EXIT walk;
+        END IF;
+        IF t = 'number' THEN
+            FOR k IN SELECT x FROM unnest(ARRAY['minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf']) x LOOP
+                CONTINUE WHEN NOT s ? k;
+                IF (CASE k WHEN 'minimum' THEN (v #>> '{}')::numeric < (s->>k)::numeric
+                          WHEN 'maximum' THEN (v #>> '{}')::numeric > (s->>k)::numeric
+                          WHEN 'exclusiveMinimum' THEN (v #>> '{}')::numeric <= (s->>k)::numeric
+                          WHEN 'exclusiveMaximum' THEN (v #>> '{}')::numeric >= (s->>k)::numeric
+                          ELSE (v #>> '{}')::numeric % (s->>k)::numeric <> 0 END) THEN
+                    rule := k; sp := sp || '/' || k; words := format('%s breaks %s %s', v, k, s->k);
+                    EXIT walk;
+                END IF;
+            END LOOP;
+        ELSIF t = 'string' THEN
+            IF s ? 'minLength' AND length(v #>> '{}') < (s->>'minLength')::numeric THEN
+                rule := 'minLength'; sp := sp || '/minLength'; words := format('%s is shorter than %s characters', v, s->'minLength');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxLength' AND length(v #>> '{}') > (s->>'maxLength')::numeric THEN
+                rule := 'maxLength'; sp := sp || '/maxLength'; words := format('%s is longer than %s characters', v, s->'maxLength');
+                EXIT walk;
+            END IF;
+            IF s ? 'pattern' AND (v #>> '{}') !~ (s->>'pattern') THEN
+                rule := 'pattern'; sp := sp || '/pattern'; words := format('%s does not match %s', v, s->'pattern');
+                EXIT walk;
+            END IF;
+        ELSIF t = 'array' THEN
+            IF s ? 'minItems' AND jsonb_array_length(v) < (s->>'minItems')::numeric THEN
+                rule := 'minItems'; sp := sp || '/minItems'; words := format('the array has fewer than %s items', s->'minItems');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxItems' AND jsonb_array_length(v) > (s->>'maxItems')::numeric THEN
+                rule := 'maxItems'; sp := sp || '/maxItems'; words := format('the array has more than %s items', s->'maxItems');
+                EXIT walk;
+            END IF;
+            IF s->'uniqueItems' = 'true'::jsonb
+               AND (SELECT count(DISTINCT x) <> count(*) FROM jsonb_array_elements(v) x) THEN
+                rule := 'uniqueItems'; sp := sp || '/uniqueItems'; words := format('%s has non-unique elements', v);
+                EXIT walk;
+            END IF;
+            IF s ? 'items' THEN
+                -- Pushed last first, so that the first item is checked first.
+                stack := stack || ARRAY(SELECT s->'items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                vals := vals || ARRAY(SELECT x.e FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || (x.i - 1) FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+            END IF;
+        ELSIF t = 'object' THEN
+            SELECT r INTO k FROM jsonb_array_elements_text(coalesce(s->'required', '[]')) r WHERE NOT v ? r LIMIT 1;
+            IF FOUND THEN
+                rule := 'required'; sp := sp || '/required'; words := format('%s is a required property', to_jsonb(k));
+                EXIT walk;
+            END IF;
+            IF s ? 'minProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) < (s->>'minProperties')::numeric THEN
+                rule := 'minProperties'; sp := sp || '/minProperties'; words := format('the object has fewer than %s properties', s->'minProperties');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) > (s->>'maxProperties')::numeric THEN
+                rule := 'maxProperties'; sp := sp || '/maxProperties'; words := format('the object has more than %s properties', s->'maxProperties');
+                EXIT walk;
+            END IF;
+            IF s->'additionalProperties' = 'false'::jsonb THEN
+                SELECT x INTO extra FROM jsonb_object_keys(v) x
+                 WHERE NOT coalesce(s->'properties', '{}') ? x ORDER BY x LIMIT 1;
+                IF FOUND THEN
+                    rule := 'additionalProperties'; sp := sp || '/additionalProperties';
+                    words := format('Additional properties are not allowed (%s was unexpected)', to_jsonb(extra));
+                    EXIT walk;
+                END IF;
+            ELSIF jsonb_typeof(s->'additionalProperties') = 'object' THEN
+                stack := stack || ARRAY(SELECT s->'additionalProperties' FROM jsonb_each(v) e
+                                         WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                vals := vals || ARRAY(SELECT e.value FROM jsonb_each(v) e
+                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(e.key, '~', '~0'), '/', '~1') FROM jsonb_each(v) e
+                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/additionalProperties' FROM jsonb_each(v) e
+                                           WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+            END IF;
+            IF jsonb_typeof(s->'properties') = 'object' THEN
+                stack := stack || ARRAY(SELECT d.value FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                vals := vals || ARRAY(SELECT v->d.key FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(d.key, '~', '~0'), '/', '~1')
+                                        FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/properties/' || replace(replace(d.key, '~', '~0'), '/', '~1')
+                                            FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+            END IF;
+        END IF;
+    END LOOP;
+    IF rule IS NULL THEN
+        RETURN;
+    END IF;
+    IF mode = 'enforce' THEN
+        RAISE EXCEPTION 'payload of % event % version % breaks its schema at % (rule %): %',
+                        aggregate_type, event_type, schema_version,
+                        CASE p WHEN '' THEN 'its root' ELSE '"' || p || '"' END, rule, words
+            USING ERRCODE = 'PO020', DETAIL = format('pointer=%s rule=%s schema_path=%s', p, rule, sp),
+                  HINT = 'Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema).';
+    END IF;
+    RAISE WARNING 'payload of % event % version % breaks its schema at % (rule %): %',
+                  aggregate_type, event_type, schema_version,
+                        CASE p WHEN '' THEN 'its root' ELSE '"' || p || '"' END, rule, words
+        USING ERRCODE = 'PO020', DETAIL = format('pointer=%s rule=%s schema_path=%s', p, rule, sp),
+              HINT = 'Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema).';
+END
+$$;
+COMMENT ON FUNCTION outbox.check_payload(text, text, integer, jsonb) IS
+    'Checks a payload against the registered schema of its event type and version, as emit_event does.';
+
+CREATE FUNCTION outbox.register_schema(aggregate_type text, event_type text, schema_version integer, schema jsonb)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    problem text;
+    registered jsonb;
+BEGIN
+    PERFORM outbox.check_event(aggregate_type, 'schema', event_type, '{}'::jsonb, NULL, schema_version, NULL);
+    IF register_schema.schema IS NULL THEN
+        RAISE EXCEPTION 'schema must not be NULL'
+            USING ERRCODE = 'PO001', HINT = 'Pass a JSON Schema (draft 2020-12 unless its $schema says otherwise).';
+    END IF;
+    problem := outbox.schema_problem(register_schema.schema);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'schema of % event % version % is not valid: %', aggregate_type, event_type, schema_version, problem
+            USING ERRCODE = 'PO022', HINT = 'Correct the schema; nothing was registered.';
+    END IF;
+    LOCK TABLE outbox.event_schemas IN SHARE ROW EXCLUSIVE MODE;
+    SELECT s.schema INTO registered FROM outbox.event_schemas s
+     WHERE s.aggregate_type = register_schema.aggregate_type AND s.event_type = register_schema.event_type
+       AND s.schema_version = register_schema.schema_version;
+    IF FOUND THEN
+        IF registered = register_schema.schema THEN
+            RETURN false;
+        END IF;
+        RAISE EXCEPTION 'version % of % event % is registered with another schema', schema_version, aggregate_type, event_type
+            USING ERRCODE = 'PO023', HINT = 'Registered schemas are immutable: register the change as a new schema_version.';
+    END IF;
+    INSERT INTO outbox.event_schemas (aggregate_type, event_type, schema_version, schema)
+    VALUES (aggregate_type, event_type, schema_version, register_schema.schema);
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION outbox.register_schema(text, text, integer, jsonb) IS
+    'Registers the JSON Schema of an event type''s payload under a version; true when new, false when the same schema was registered already.';
+
+CREATE FUNCTION outbox.set_schema_check(aggregate_type text, mode text) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM outbox.check_event(aggregate_type, 'schema', 'check', '{}'::jsonb, NULL, 1, NULL);
+    IF mode IS NULL OR mode NOT IN ('off', 'warn', 'enforce') THEN
+        RAISE EXCEPTION 'mode must be off, warn or enforce, not %', coalesce(quote_literal(mode), 'NULL')
+            USING ERRCODE = 'PO007', HINT = 'enforce refuses payloads that break their schema, warn stores them with a WARNING, off does not check.';
+    END IF;
+    INSERT INTO outbox.schema_checks AS c (aggregate_type, mode) VALUES (set_schema_check.aggregate_type, set_schema_check.mode)
+    ON CONFLICT (aggregate_type) DO UPDATE
+       SET mode = excluded.mode, set_at = pg_catalog.now(), set_by = pg_catalog."session_user"();
+END
+$$;
+COMMENT ON FUNCTION outbox.set_schema_check(text, text) IS
+    'Sets what a payload that breaks its schema does for an aggregate type: enforce (the default), warn or off.';
+
+CREATE VIEW outbox.schemas AS
+SELECT s.aggregate_type, s.event_type, s.schema_version, s.schema,
+       coalesce(c.mode, 'enforce') AS check_mode, s.registered_at, s.registered_by
+  FROM outbox.event_schemas s
+  LEFT JOIN outbox.schema_checks c ON c.aggregate_type = s.aggregate_type;
+COMMENT ON VIEW outbox.schemas IS 'Registered schemas with the check mode of their aggregate type.';
+
+REVOKE ALL ON outbox.event_schemas, outbox.schema_checks, outbox.schemas FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.refuse_schema_change() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.schemas_changed() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.schema_problem(jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.check_payload(text, text, integer, jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.register_schema(text, text, integer, jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.set_schema_check(text, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.register_schema(text, text, integer, jsonb) TO outbox_schema_admin;
+GRANT EXECUTE ON FUNCTION outbox.set_schema_check(text, text) TO outbox_schema_admin;
+GRANT EXECUTE ON FUNCTION outbox.schema_problem(jsonb) TO outbox_schema_admin;
+GRANT EXECUTE ON FUNCTION outbox.check_payload(text, text, integer, jsonb) TO outbox_writer, outbox_schema_admin;
+GRANT SELECT ON outbox.schemas TO outbox_schema_admin, outbox_writer, outbox_relay;
+
+------------------------------------------------------------------------------
 -- Retention keeps each aggregate's newest event, whose number the next emit
 -- continues from.
 
@@ -1469,5 +1890,629 @@ COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.5.0';
 SELECT 'pg_outbox SQL edition 0.5.0' AS pg_outbox_installed \gset
 \endif
 
-COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.5.0';
+SELECT :'pg_outbox_installed' = 'pg_outbox SQL edition 0.5.0' AS pg_outbox_step \gset
+\if :pg_outbox_step
+-- pg_outbox 0.5.0 -> 0.6.0: event contracts.
+--
+-- JSON Schemas registered per aggregate type, event type and schema version
+-- (outbox.register_schema), checked by emit_event and emit_events; what a
+-- payload that breaks its schema does is set per aggregate type
+-- (outbox.set_schema_check). Nothing changes for a database that registers
+-- no schema.
+
+------------------------------------------------------------------------------
+-- Event contracts: a JSON Schema per (aggregate type, event type, schema
+-- version), registered by the owner or a member of outbox_schema_admin and
+-- immutable once registered (a change is a new version). emit_event and
+-- emit_events check each payload against the schema of its event type and
+-- version. What a mismatch does is set per aggregate type in
+-- outbox.schema_checks: 'enforce' (the default: refused with PO020; a
+-- version without a schema, where the event type has others, with PO021),
+-- 'warn' (a WARNING, and the event is stored) or 'off'. An event type
+-- without any schema is not checked.
+
+DO $roles$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_schema_admin') THEN
+        CREATE ROLE outbox_schema_admin NOLOGIN;
+    END IF;
+END
+$roles$;
+GRANT USAGE ON SCHEMA outbox TO outbox_schema_admin;
+
+CREATE TABLE outbox.event_schemas (
+    aggregate_type text        COLLATE "C" NOT NULL,
+    event_type     text        NOT NULL,
+    schema_version integer     NOT NULL CHECK (schema_version >= 1),
+    schema         jsonb       NOT NULL,
+    registered_at  timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    registered_by  name        NOT NULL DEFAULT pg_catalog."session_user"(),
+    PRIMARY KEY (aggregate_type, event_type, schema_version)
+);
+COMMENT ON TABLE outbox.event_schemas IS 'JSON Schemas of event payloads, by aggregate type, event type and schema version; immutable (outbox.register_schema).';
+
+CREATE TABLE outbox.schema_checks (
+    aggregate_type text        COLLATE "C" PRIMARY KEY,
+    mode           text        NOT NULL CHECK (mode IN ('off', 'warn', 'enforce')),
+    set_at         timestamptz NOT NULL DEFAULT pg_catalog.now(),
+    set_by         name        NOT NULL DEFAULT pg_catalog."session_user"()
+);
+COMMENT ON TABLE outbox.schema_checks IS 'What a payload that breaks its schema does, per aggregate type (outbox.set_schema_check); enforce without a row.';
+
+CREATE FUNCTION outbox.refuse_schema_change() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    RAISE EXCEPTION 'registered schemas are immutable'
+        USING ERRCODE = 'PO023', HINT = 'Register the change as a new schema_version with outbox.register_schema.';
+END
+$$;
+CREATE TRIGGER event_schemas_immutable BEFORE UPDATE OR DELETE ON outbox.event_schemas
+    FOR EACH ROW EXECUTE FUNCTION outbox.refuse_schema_change();
+CREATE TRIGGER event_schemas_kept BEFORE TRUNCATE ON outbox.event_schemas
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.refuse_schema_change();
+
+-- Tells every backend, at commit, to read both tables again (the extension
+-- keeps them, compiled, for the life of a backend).
+CREATE FUNCTION outbox.schemas_changed() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- Nothing is kept between calls here: check_payload reads the tables.
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER event_schemas_changed AFTER INSERT ON outbox.event_schemas
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.schemas_changed();
+CREATE TRIGGER schema_checks_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.schema_checks
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox.schemas_changed();
+
+-- Why the validator cannot use a schema, or NULL.
+CREATE FUNCTION outbox.schema_problem(schema jsonb) RETURNS text
+LANGUAGE plpgsql STRICT IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- The SQL edition checks a subset of JSON Schema (see check_payload) and
+-- refuses a schema that uses anything else, rather than let it pass
+-- unchecked.
+DECLARE
+    stack jsonb[] := ARRAY[schema];
+    paths text[] := ARRAY[''];
+    s jsonb;
+    p text;
+    k text;
+    v jsonb;
+BEGIN
+    WHILE cardinality(stack) > 0 LOOP
+        s := stack[cardinality(stack)];
+        p := paths[cardinality(paths)];
+        stack := stack[1:cardinality(stack) - 1];
+        paths := paths[1:cardinality(paths) - 1];
+        CONTINUE WHEN jsonb_typeof(s) = 'boolean';
+        IF jsonb_typeof(s) <> 'object' THEN
+            RETURN format('at %s: a schema is an object or a boolean, not %s', coalesce(nullif(p, ''), '/'), jsonb_typeof(s));
+        END IF;
+        FOR k, v IN SELECT e.key, e.value FROM jsonb_each(s) e LOOP
+            CASE
+            WHEN k IN ('$schema', '$id', '$comment', 'title', 'description', 'default', 'examples',
+                       'format', 'deprecated', 'readOnly', 'writeOnly') THEN
+                NULL;
+            WHEN k = 'type' THEN
+                IF EXISTS (SELECT 1 FROM jsonb_array_elements(CASE jsonb_typeof(v) WHEN 'array' THEN v ELSE jsonb_build_array(v) END) t
+                            WHERE t NOT IN ('"object"', '"array"', '"string"', '"number"', '"integer"', '"boolean"', '"null"')) THEN
+                    RETURN format('at %s/type: %s is not a JSON Schema type', p, v);
+                END IF;
+            WHEN k IN ('minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf',
+                       'minLength', 'maxLength', 'minItems', 'maxItems', 'minProperties', 'maxProperties') THEN
+                IF jsonb_typeof(v) <> 'number' THEN
+                    RETURN format('at %s/%s: %s is not a number', p, k, v);
+                END IF;
+            WHEN k = 'required' THEN
+                IF jsonb_typeof(v) <> 'array' OR EXISTS (SELECT 1 FROM jsonb_array_elements(v) r WHERE jsonb_typeof(r) <> 'string') THEN
+                    RETURN format('at %s/required: %s is not an array of strings', p, v);
+                END IF;
+            WHEN k IN ('enum') THEN
+                IF jsonb_typeof(v) <> 'array' THEN
+                    RETURN format('at %s/enum: %s is not an array', p, v);
+                END IF;
+            WHEN k IN ('const', 'uniqueItems') THEN
+                NULL;
+            WHEN k = 'pattern' THEN
+                BEGIN
+                    PERFORM '' ~ (v #>> '{}');
+                EXCEPTION WHEN invalid_regular_expression THEN
+                    RETURN format('at %s/pattern: %s is not a regular expression', p, v);
+                END;
+            WHEN k = 'properties' THEN
+                IF jsonb_typeof(v) <> 'object' THEN
+                    RETURN format('at %s/properties: %s is not an object', p, v);
+                END IF;
+                stack := stack || ARRAY(SELECT e.value FROM jsonb_each(v) e ORDER BY e.key);
+                paths := paths || ARRAY(SELECT p || '/properties/' || replace(replace(e.key, '~', '~0'), '/', '~1')
+                                          FROM jsonb_each(v) e ORDER BY e.key);
+            WHEN k IN ('items', 'additionalProperties') THEN
+                stack := stack || v;
+                paths := paths || (p || '/' || k);
+            ELSE
+                RETURN format('at %s: the SQL edition does not check the keyword %s; the extension does', coalesce(nullif(p, ''), '/'), k);
+            END CASE;
+        END LOOP;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+
+-- The check emit_event makes, on its own: nothing when the payload matches
+-- (or has no schema, or its aggregate type is not checked), a WARNING in
+-- 'warn' mode, PO020 or PO021 in 'enforce' mode.
+CREATE FUNCTION outbox.check_payload(aggregate_type text, event_type text, schema_version integer, payload jsonb)
+RETURNS void
+LANGUAGE plpgsql STRICT STABLE PARALLEL RESTRICTED SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- A subset of JSON Schema, walked depth first: type, enum, const, the
+-- numeric bounds and multipleOf, minLength, maxLength, pattern (PostgreSQL's
+-- regular expressions), items, minItems, maxItems, uniqueItems, properties,
+-- required, additionalProperties, minProperties, maxProperties; annotations
+-- are ignored. register_schema refuses any other keyword (schema_problem).
+#variable_conflict use_variable
+DECLARE
+    mode text;
+    root jsonb;
+    known text;
+    stack jsonb[];
+    vals jsonb[];
+    ptrs text[];
+    spaths text[];
+    n integer;
+    s jsonb;
+    v jsonb;
+    p text;
+    sp text;
+    t text;
+    rule text;
+    words text;
+    k text;
+    sub jsonb;
+    extra text;
+BEGIN
+    SELECT coalesce((SELECT c.mode FROM outbox.schema_checks c WHERE c.aggregate_type = check_payload.aggregate_type), 'enforce'),
+           (SELECT e.schema FROM outbox.event_schemas e
+             WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type
+               AND e.schema_version = check_payload.schema_version)
+      INTO mode, root;
+    IF mode = 'off' THEN
+        RETURN;
+    END IF;
+    IF root IS NULL THEN
+        SELECT string_agg(e.schema_version::text, ', ' ORDER BY e.schema_version) INTO known
+          FROM outbox.event_schemas e
+         WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type;
+        IF known IS NULL THEN
+            RETURN;
+        END IF;
+        IF mode = 'enforce' THEN
+            RAISE EXCEPTION 'no schema is registered for % event % version % (registered versions: %)',
+                            aggregate_type, event_type, schema_version, known
+                USING ERRCODE = 'PO021', HINT = 'Register the version with outbox.register_schema, or emit with a registered schema_version.';
+        END IF;
+        RAISE WARNING 'no schema is registered for % event % version % (registered versions: %)',
+                      aggregate_type, event_type, schema_version, known
+            USING ERRCODE = 'PO021', HINT = 'Register the version with outbox.register_schema, or emit with a registered schema_version.';
+        RETURN;
+    END IF;
+
+    stack := ARRAY[root]; vals := ARRAY[payload]; ptrs := ARRAY['']; spaths := ARRAY[''];
+    <<walk>>
+    WHILE cardinality(stack) > 0 LOOP
+        n := cardinality(stack);
+        s := stack[n]; v := vals[n]; p := ptrs[n]; sp := spaths[n];
+        stack := stack[1:n - 1]; vals := vals[1:n - 1]; ptrs := ptrs[1:n - 1]; spaths := spaths[1:n - 1];
+        IF s = 'false'::jsonb THEN
+            rule := 'false'; words := 'False schema does not allow ' || v::text;
+            EXIT walk;
+        END IF;
+        CONTINUE walk WHEN jsonb_typeof(s) <> 'object';
+        t := jsonb_typeof(v);
+        IF s ? 'type' AND NOT EXISTS (
+               SELECT 1 FROM jsonb_array_elements_text(CASE jsonb_typeof(s->'type') WHEN 'array' THEN s->'type'
+                                                       ELSE jsonb_build_array(s->'type') END) want
+                WHERE want = t OR (want = 'integer' AND t = 'number' AND (v #>> '{}')::numeric % 1 = 0)) THEN
+            rule := 'type'; sp := sp || '/type'; words := format('%s is not of type %s', v, s->'type');
+            EXIT walk;
+        END IF;
+        IF s ? 'enum' AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(s->'enum') x WHERE x = v) THEN
+            rule := 'enum'; sp := sp || '/enum'; words := format('%s is not one of %s', v, s->'enum');
+            EXIT walk;
+        END IF;
+        IF s ? 'const' AND s->'const' <> v THEN
+            rule := 'const'; sp := sp || '/const'; words := format('%s was expected', s->'const');
+            EXIT walk;
+        END IF;
+        IF t = 'number' THEN
+            FOR k IN SELECT x FROM unnest(ARRAY['minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf']) x LOOP
+                CONTINUE WHEN NOT s ? k;
+                IF (CASE k WHEN 'minimum' THEN (v #>> '{}')::numeric < (s->>k)::numeric
+                          WHEN 'maximum' THEN (v #>> '{}')::numeric > (s->>k)::numeric
+                          WHEN 'exclusiveMinimum' THEN (v #>> '{}')::numeric <= (s->>k)::numeric
+                          WHEN 'exclusiveMaximum' THEN (v #>> '{}')::numeric >= (s->>k)::numeric
+                          ELSE (v #>> '{}')::numeric % (s->>k)::numeric <> 0 END) THEN
+                    rule := k; sp := sp || '/' || k; words := format('%s breaks %s %s', v, k, s->k);
+                    EXIT walk;
+                END IF;
+            END LOOP;
+        ELSIF t = 'string' THEN
+            IF s ? 'minLength' AND length(v #>> '{}') < (s->>'minLength')::numeric THEN
+                rule := 'minLength'; sp := sp || '/minLength'; words := format('%s is shorter than %s characters', v, s->'minLength');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxLength' AND length(v #>> '{}') > (s->>'maxLength')::numeric THEN
+                rule := 'maxLength'; sp := sp || '/maxLength'; words := format('%s is longer than %s characters', v, s->'maxLength');
+                EXIT walk;
+            END IF;
+            IF s ? 'pattern' AND (v #>> '{}') !~ (s->>'pattern') THEN
+                rule := 'pattern'; sp := sp || '/pattern'; words := format('%s does not match %s', v, s->'pattern');
+                EXIT walk;
+            END IF;
+        ELSIF t = 'array' THEN
+            IF s ? 'minItems' AND jsonb_array_length(v) < (s->>'minItems')::numeric THEN
+                rule := 'minItems'; sp := sp || '/minItems'; words := format('the array has fewer than %s items', s->'minItems');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxItems' AND jsonb_array_length(v) > (s->>'maxItems')::numeric THEN
+                rule := 'maxItems'; sp := sp || '/maxItems'; words := format('the array has more than %s items', s->'maxItems');
+                EXIT walk;
+            END IF;
+            IF s->'uniqueItems' = 'true'::jsonb
+               AND (SELECT count(DISTINCT x) <> count(*) FROM jsonb_array_elements(v) x) THEN
+                rule := 'uniqueItems'; sp := sp || '/uniqueItems'; words := format('%s has non-unique elements', v);
+                EXIT walk;
+            END IF;
+            IF s ? 'items' THEN
+                -- Pushed last first, so that the first item is checked first.
+                stack := stack || ARRAY(SELECT s->'items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                vals := vals || ARRAY(SELECT x.e FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || (x.i - 1) FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+            END IF;
+        ELSIF t = 'object' THEN
+            SELECT r INTO k FROM jsonb_array_elements_text(coalesce(s->'required', '[]')) r WHERE NOT v ? r LIMIT 1;
+            IF FOUND THEN
+                rule := 'required'; sp := sp || '/required'; words := format('%s is a required property', to_jsonb(k));
+                EXIT walk;
+            END IF;
+            IF s ? 'minProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) < (s->>'minProperties')::numeric THEN
+                rule := 'minProperties'; sp := sp || '/minProperties'; words := format('the object has fewer than %s properties', s->'minProperties');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) > (s->>'maxProperties')::numeric THEN
+                rule := 'maxProperties'; sp := sp || '/maxProperties'; words := format('the object has more than %s properties', s->'maxProperties');
+                EXIT walk;
+            END IF;
+            IF s->'additionalProperties' = 'false'::jsonb THEN
+                SELECT x INTO extra FROM jsonb_object_keys(v) x
+                 WHERE NOT coalesce(s->'properties', '{}') ? x ORDER BY x LIMIT 1;
+                IF FOUND THEN
+                    rule := 'additionalProperties'; sp := sp || '/additionalProperties';
+                    words := format('Additional properties are not allowed (%s was unexpected)', to_jsonb(extra));
+                    EXIT walk;
+                END IF;
+            ELSIF jsonb_typeof(s->'additionalProperties') = 'object' THEN
+                stack := stack || ARRAY(SELECT s->'additionalProperties' FROM jsonb_each(v) e
+                                         WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                vals := vals || ARRAY(SELECT e.value FROM jsonb_each(v) e
+                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(e.key, '~', '~0'), '/', '~1') FROM jsonb_each(v) e
+                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/additionalProperties' FROM jsonb_each(v) e
+                                           WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+            END IF;
+            IF jsonb_typeof(s->'properties') = 'object' THEN
+                stack := stack || ARRAY(SELECT d.value FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                vals := vals || ARRAY(SELECT v->d.key FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(d.key, '~', '~0'), '/', '~1')
+                                        FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/properties/' || replace(replace(d.key, '~', '~0'), '/', '~1')
+                                            FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+            END IF;
+        END IF;
+    END LOOP;
+    IF rule IS NULL THEN
+        RETURN;
+    END IF;
+    IF mode = 'enforce' THEN
+        RAISE EXCEPTION 'payload of % event % version % breaks its schema at % (rule %): %',
+                        aggregate_type, event_type, schema_version,
+                        CASE p WHEN '' THEN 'its root' ELSE '"' || p || '"' END, rule, words
+            USING ERRCODE = 'PO020', DETAIL = format('pointer=%s rule=%s schema_path=%s', p, rule, sp),
+                  HINT = 'Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema).';
+    END IF;
+    RAISE WARNING 'payload of % event % version % breaks its schema at % (rule %): %',
+                  aggregate_type, event_type, schema_version,
+                        CASE p WHEN '' THEN 'its root' ELSE '"' || p || '"' END, rule, words
+        USING ERRCODE = 'PO020', DETAIL = format('pointer=%s rule=%s schema_path=%s', p, rule, sp),
+              HINT = 'Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema).';
+END
+$$;
+COMMENT ON FUNCTION outbox.check_payload(text, text, integer, jsonb) IS
+    'Checks a payload against the registered schema of its event type and version, as emit_event does.';
+
+CREATE FUNCTION outbox.register_schema(aggregate_type text, event_type text, schema_version integer, schema jsonb)
+RETURNS boolean
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    problem text;
+    registered jsonb;
+BEGIN
+    PERFORM outbox.check_event(aggregate_type, 'schema', event_type, '{}'::jsonb, NULL, schema_version, NULL);
+    IF register_schema.schema IS NULL THEN
+        RAISE EXCEPTION 'schema must not be NULL'
+            USING ERRCODE = 'PO001', HINT = 'Pass a JSON Schema (draft 2020-12 unless its $schema says otherwise).';
+    END IF;
+    problem := outbox.schema_problem(register_schema.schema);
+    IF problem IS NOT NULL THEN
+        RAISE EXCEPTION 'schema of % event % version % is not valid: %', aggregate_type, event_type, schema_version, problem
+            USING ERRCODE = 'PO022', HINT = 'Correct the schema; nothing was registered.';
+    END IF;
+    LOCK TABLE outbox.event_schemas IN SHARE ROW EXCLUSIVE MODE;
+    SELECT s.schema INTO registered FROM outbox.event_schemas s
+     WHERE s.aggregate_type = register_schema.aggregate_type AND s.event_type = register_schema.event_type
+       AND s.schema_version = register_schema.schema_version;
+    IF FOUND THEN
+        IF registered = register_schema.schema THEN
+            RETURN false;
+        END IF;
+        RAISE EXCEPTION 'version % of % event % is registered with another schema', schema_version, aggregate_type, event_type
+            USING ERRCODE = 'PO023', HINT = 'Registered schemas are immutable: register the change as a new schema_version.';
+    END IF;
+    INSERT INTO outbox.event_schemas (aggregate_type, event_type, schema_version, schema)
+    VALUES (aggregate_type, event_type, schema_version, register_schema.schema);
+    RETURN true;
+END
+$$;
+COMMENT ON FUNCTION outbox.register_schema(text, text, integer, jsonb) IS
+    'Registers the JSON Schema of an event type''s payload under a version; true when new, false when the same schema was registered already.';
+
+CREATE FUNCTION outbox.set_schema_check(aggregate_type text, mode text) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM outbox.check_event(aggregate_type, 'schema', 'check', '{}'::jsonb, NULL, 1, NULL);
+    IF mode IS NULL OR mode NOT IN ('off', 'warn', 'enforce') THEN
+        RAISE EXCEPTION 'mode must be off, warn or enforce, not %', coalesce(quote_literal(mode), 'NULL')
+            USING ERRCODE = 'PO007', HINT = 'enforce refuses payloads that break their schema, warn stores them with a WARNING, off does not check.';
+    END IF;
+    INSERT INTO outbox.schema_checks AS c (aggregate_type, mode) VALUES (set_schema_check.aggregate_type, set_schema_check.mode)
+    ON CONFLICT (aggregate_type) DO UPDATE
+       SET mode = excluded.mode, set_at = pg_catalog.now(), set_by = pg_catalog."session_user"();
+END
+$$;
+COMMENT ON FUNCTION outbox.set_schema_check(text, text) IS
+    'Sets what a payload that breaks its schema does for an aggregate type: enforce (the default), warn or off.';
+
+CREATE VIEW outbox.schemas AS
+SELECT s.aggregate_type, s.event_type, s.schema_version, s.schema,
+       coalesce(c.mode, 'enforce') AS check_mode, s.registered_at, s.registered_by
+  FROM outbox.event_schemas s
+  LEFT JOIN outbox.schema_checks c ON c.aggregate_type = s.aggregate_type;
+COMMENT ON VIEW outbox.schemas IS 'Registered schemas with the check mode of their aggregate type.';
+
+REVOKE ALL ON outbox.event_schemas, outbox.schema_checks, outbox.schemas FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.refuse_schema_change() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.schemas_changed() FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.schema_problem(jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.check_payload(text, text, integer, jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.register_schema(text, text, integer, jsonb) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.set_schema_check(text, text) FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox.register_schema(text, text, integer, jsonb) TO outbox_schema_admin;
+GRANT EXECUTE ON FUNCTION outbox.set_schema_check(text, text) TO outbox_schema_admin;
+GRANT EXECUTE ON FUNCTION outbox.schema_problem(jsonb) TO outbox_schema_admin;
+GRANT EXECUTE ON FUNCTION outbox.check_payload(text, text, integer, jsonb) TO outbox_writer, outbox_schema_admin;
+GRANT SELECT ON outbox.schemas TO outbox_schema_admin, outbox_writer, outbox_relay;
+
+
+-- emit_events checks each payload as emit_event does.
+CREATE OR REPLACE FUNCTION outbox.emit_events(events jsonb)
+RETURNS TABLE (ordinal integer, event_id uuid, aggregate_seq bigint)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+    e record;
+    agg record;
+    agg_types text[] := '{}';
+    agg_ids text[] := '{}';
+    bases bigint[] := '{}';
+BEGIN
+    IF events IS NULL OR jsonb_typeof(events) <> 'array' THEN
+        RAISE EXCEPTION 'events must be a JSON array of event objects'
+            USING ERRCODE = 'PO008', HINT = 'Pass [{"aggregate_type": ..., "aggregate_id": ..., "event_type": ..., "payload": ...}, ...].';
+    END IF;
+    n := jsonb_array_length(events);
+    IF n = 0 OR n > 10000 THEN
+        RAISE EXCEPTION 'a batch holds 1 to 10000 events, not %', n
+            USING ERRCODE = 'PO008', HINT = 'Split larger batches.';
+    END IF;
+    FOR e IN SELECT x.value AS v, x.ordinality AS i FROM jsonb_array_elements(events) WITH ORDINALITY x LOOP
+        IF jsonb_typeof(e.v) <> 'object' OR NOT (e.v ? 'payload')
+           OR (e.v ? 'schema_version' AND jsonb_typeof(e.v->'schema_version') <> 'number')
+           OR EXISTS (SELECT 1 FROM unnest(ARRAY['aggregate_type', 'aggregate_id', 'event_type', 'topic']) f
+                       WHERE e.v ? f AND jsonb_typeof(e.v->f) NOT IN ('string', 'null')) THEN
+            RAISE EXCEPTION 'batch element % is not an event object with a payload and text fields', e.i
+                USING ERRCODE = 'PO008', HINT = 'Each element needs aggregate_type, aggregate_id, event_type (strings) and payload; schema_version is a number.';
+        END IF;
+        PERFORM outbox.check_event(e.v->>'aggregate_type', e.v->>'aggregate_id', e.v->>'event_type',
+                                   CASE WHEN jsonb_typeof(e.v->'payload') = 'null' THEN NULL ELSE e.v->'payload' END,
+                                   nullif(e.v->'headers', 'null'::jsonb),
+                                   coalesce((e.v->>'schema_version')::integer, 1), e.v->>'topic');
+        PERFORM outbox.check_payload(e.v->>'aggregate_type', e.v->>'event_type',
+                                     coalesce((e.v->>'schema_version')::integer, 1), e.v->'payload');
+    END LOOP;
+
+    -- Lock the aggregates in one sorted pass: concurrent batches take the
+    -- locks in the same order and cannot deadlock.
+    FOR agg IN
+        SELECT x.t, x.i
+          FROM (SELECT value->>'aggregate_type' AS t, value->>'aggregate_id' AS i
+                  FROM jsonb_array_elements(events)) x
+         GROUP BY x.t, x.i ORDER BY x.t COLLATE "C", x.i COLLATE "C"
+    LOOP
+        agg_types := agg_types || agg.t;
+        agg_ids := agg_ids || agg.i;
+        bases := bases || outbox.lock_aggregate(agg.t, agg.i);
+    END LOOP;
+
+    RETURN QUERY
+    WITH src AS MATERIALIZED (
+        SELECT x.ordinality::integer AS ord, outbox.uuid_v7() AS id, x.value AS v,
+               b.base + row_number() OVER (PARTITION BY b.t, b.i ORDER BY x.ordinality) AS seq
+          FROM jsonb_array_elements(events) WITH ORDINALITY x
+          JOIN unnest(agg_types, agg_ids, bases) AS b(t, i, base)
+            ON b.t = x.value->>'aggregate_type' AND b.i = x.value->>'aggregate_id'
+    ), ins AS (
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic)
+        SELECT s.id, s.v->>'aggregate_type', s.v->>'aggregate_id', s.seq, s.v->>'event_type',
+               coalesce((s.v->>'schema_version')::integer, 1), s.v->'payload',
+               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic'
+          FROM src s ORDER BY s.ord
+        RETURNING 1
+    )
+    SELECT s.ord, s.id, s.seq FROM src s ORDER BY s.ord;
+END
+$$;
+
+-- The C function checks payloads itself; the SQL edition's emit_event is
+-- replaced by one that calls outbox.check_payload.
+CREATE OR REPLACE FUNCTION outbox.emit_event(
+    aggregate_type  text,
+    aggregate_id    text,
+    event_type      text,
+    payload         jsonb,
+    headers         jsonb   DEFAULT NULL,
+    schema_version  integer DEFAULT 1,
+    expected_seq    bigint  DEFAULT NULL,
+    idempotency_key text    DEFAULT NULL,
+    topic           text    DEFAULT NULL,
+    OUT event_id      uuid,
+    OUT aggregate_seq bigint,
+    OUT replayed      boolean
+)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    latest bigint;
+    refusal record;
+BEGIN
+    emit_event.replayed := false;
+    IF (emit_event.idempotency_key IS NULL AND current_setting('transaction_isolation') = 'read committed'
+        AND emit_event.aggregate_type ~ '^[A-Za-z0-9._-]{1,128}$'
+        AND octet_length(emit_event.aggregate_id) BETWEEN 1 AND 512
+        AND length(emit_event.event_type) BETWEEN 1 AND 255
+        AND pg_column_size(emit_event.payload)
+            <= coalesce(nullif(current_setting('pg_outbox.max_payload_bytes', true), '')::bigint, 1000000)
+        AND emit_event.headers IS NULL AND emit_event.topic IS NULL
+        AND emit_event.schema_version >= 1 AND coalesce(emit_event.expected_seq, 0) >= 0) IS TRUE THEN
+        -- The common call, plainly valid, in two statements: each SQL
+        -- statement starts an executor, which costs more than the rest of
+        -- the function. The lock first: the INSERT starts once it is
+        -- granted, so its snapshot holds every event of the aggregate
+        -- committed before, and it reads the newest sequence itself.
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
+        PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic)
+        VALUES (outbox.uuid_v7(), emit_event.aggregate_type, emit_event.aggregate_id,
+                coalesce((SELECT e.aggregate_seq FROM outbox.events e
+                           WHERE e.aggregate_type = emit_event.aggregate_type AND e.aggregate_id = emit_event.aggregate_id
+                           ORDER BY e.aggregate_seq DESC LIMIT 1),
+                         (SELECT f.last_seq FROM outbox.sequence_floors f
+                           WHERE f.aggregate_type = emit_event.aggregate_type AND f.aggregate_id = emit_event.aggregate_id),
+                         0) + 1,
+                emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers, emit_event.topic)
+        RETURNING events.event_id, events.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq;
+        IF emit_event.expected_seq IS NULL THEN
+            RETURN;
+        END IF;
+        latest := emit_event.aggregate_seq - 1;
+    END IF;
+
+    IF latest IS NULL THEN
+        SELECT * INTO refusal
+          FROM outbox.check_emit(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
+                                 emit_event.payload, emit_event.headers, emit_event.schema_version,
+                                 emit_event.expected_seq, emit_event.idempotency_key, emit_event.topic);
+        IF refusal.refused_sqlstate IS NOT NULL THEN
+            RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
+                                  HINT = refusal.refused_hint;
+        END IF;
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
+
+        -- Valid, with an idempotency key, a snapshot older than the
+        -- statement (REPEATABLE READ, SERIALIZABLE), headers or a topic:
+        -- anything the common call above does not take.
+        latest := outbox.lock_aggregate(emit_event.aggregate_type, emit_event.aggregate_id);
+        emit_event.event_id := outbox.uuid_v7();
+        emit_event.aggregate_seq := latest + 1;
+        IF emit_event.idempotency_key IS NOT NULL THEN
+            -- Claimed under the number this event would get; a claim that
+            -- exists already answers the call with its event. A concurrent
+            -- call with the same key waits here for the first one's
+            -- transaction.
+            INSERT INTO outbox.idempotency_keys (aggregate_type, idempotency_key, event_id, aggregate_id, aggregate_seq)
+            VALUES (emit_event.aggregate_type, emit_event.idempotency_key, emit_event.event_id,
+                    emit_event.aggregate_id, emit_event.aggregate_seq)
+            ON CONFLICT (aggregate_type, idempotency_key) DO NOTHING;
+            IF NOT FOUND THEN
+                SELECT k.event_id, k.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq
+                  FROM outbox.idempotency_keys k
+                 WHERE k.aggregate_type = emit_event.aggregate_type AND k.idempotency_key = emit_event.idempotency_key;
+                emit_event.replayed := true;
+                RETURN;
+            END IF;
+        END IF;
+        BEGIN
+            INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                       schema_version, payload, headers, topic)
+            VALUES (emit_event.event_id, emit_event.aggregate_type, emit_event.aggregate_id, emit_event.aggregate_seq,
+                    emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers,
+                    emit_event.topic);
+        EXCEPTION WHEN unique_violation THEN
+            -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate
+            -- an event of this aggregate that committed since: its number is
+            -- taken, and the transaction must retry. (Under READ COMMITTED
+            -- the lock rules this out.)
+            RAISE EXCEPTION 'could not serialize access: aggregate % % has events committed after this transaction''s snapshot',
+                    emit_event.aggregate_type, quote_literal(emit_event.aggregate_id)
+                USING ERRCODE = 'serialization_failure',
+                      HINT = 'Retry the transaction, or emit in READ COMMITTED (the C extension numbers after them).';
+        END;
+    END IF;
+
+    -- Checked after the insert, which the error takes back with it.
+    IF emit_event.expected_seq IS NOT NULL AND emit_event.expected_seq <> latest THEN
+        RAISE EXCEPTION 'sequence conflict on % %: expected %, actual %',
+                emit_event.aggregate_type, quote_literal(emit_event.aggregate_id), emit_event.expected_seq, latest
+            USING ERRCODE = 'PO101',
+                  DETAIL = format('expected_seq=%s actual_seq=%s', emit_event.expected_seq, latest),
+                  HINT = 'Another writer changed the aggregate: reload it, decide again, and retry with the new sequence.';
+    END IF;
+END
+$$;
+COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.6.0';
+SELECT 'pg_outbox SQL edition 0.6.0' AS pg_outbox_installed \gset
+\endif
+
+COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.6.0';
 COMMIT;

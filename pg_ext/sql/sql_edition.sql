@@ -17,6 +17,12 @@
 -- - uuid_v7 takes its 74 random bits from gen_random_uuid() and has no
 --   sub-millisecond fraction: ids of one backend within one millisecond are
 --   unordered.
+-- - check_payload checks a subset of JSON Schema (listed at the function),
+--   and schema_problem refuses to register a schema that uses any keyword
+--   outside it, so that no schema is ever taken and left unchecked. The
+--   extension checks the whole of JSON Schema (drafts 4 to 2020-12).
+-- - schemas_changed does nothing: check_payload reads the tables on each
+--   call, where the extension keeps compiled schemas per backend.
 
 --@function uuid_v7
 CREATE FUNCTION outbox.uuid_v7() RETURNS uuid
@@ -90,6 +96,8 @@ BEGIN
         -- the function. The lock first: the INSERT starts once it is
         -- granted, so its snapshot holds every event of the aggregate
         -- committed before, and it reads the newest sequence itself.
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
         PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
                                    schema_version, payload, headers, topic)
@@ -117,6 +125,8 @@ BEGIN
             RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
                                   HINT = refusal.refused_hint;
         END IF;
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
 
         -- Valid, with an idempotency key, a snapshot older than the
         -- statement (REPEATABLE READ, SERIALIZABLE), headers or a topic:
@@ -167,6 +177,285 @@ BEGIN
                   DETAIL = format('expected_seq=%s actual_seq=%s', emit_event.expected_seq, latest),
                   HINT = 'Another writer changed the aggregate: reload it, decide again, and retry with the new sequence.';
     END IF;
+END
+$$;
+--@end
+
+--@function schemas_changed
+CREATE FUNCTION outbox.schemas_changed() RETURNS trigger
+LANGUAGE plpgsql
+AS $$
+BEGIN
+    -- Nothing is kept between calls here: check_payload reads the tables.
+    RETURN NULL;
+END
+$$;
+--@end
+
+--@function schema_problem
+CREATE FUNCTION outbox.schema_problem(schema jsonb) RETURNS text
+LANGUAGE plpgsql STRICT IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- The SQL edition checks a subset of JSON Schema (see check_payload) and
+-- refuses a schema that uses anything else, rather than let it pass
+-- unchecked.
+DECLARE
+    stack jsonb[] := ARRAY[schema];
+    paths text[] := ARRAY[''];
+    s jsonb;
+    p text;
+    k text;
+    v jsonb;
+BEGIN
+    WHILE cardinality(stack) > 0 LOOP
+        s := stack[cardinality(stack)];
+        p := paths[cardinality(paths)];
+        stack := stack[1:cardinality(stack) - 1];
+        paths := paths[1:cardinality(paths) - 1];
+        CONTINUE WHEN jsonb_typeof(s) = 'boolean';
+        IF jsonb_typeof(s) <> 'object' THEN
+            RETURN format('at %s: a schema is an object or a boolean, not %s', coalesce(nullif(p, ''), '/'), jsonb_typeof(s));
+        END IF;
+        FOR k, v IN SELECT e.key, e.value FROM jsonb_each(s) e LOOP
+            CASE
+            WHEN k IN ('$schema', '$id', '$comment', 'title', 'description', 'default', 'examples',
+                       'format', 'deprecated', 'readOnly', 'writeOnly') THEN
+                NULL;
+            WHEN k = 'type' THEN
+                IF EXISTS (SELECT 1 FROM jsonb_array_elements(CASE jsonb_typeof(v) WHEN 'array' THEN v ELSE jsonb_build_array(v) END) t
+                            WHERE t NOT IN ('"object"', '"array"', '"string"', '"number"', '"integer"', '"boolean"', '"null"')) THEN
+                    RETURN format('at %s/type: %s is not a JSON Schema type', p, v);
+                END IF;
+            WHEN k IN ('minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf',
+                       'minLength', 'maxLength', 'minItems', 'maxItems', 'minProperties', 'maxProperties') THEN
+                IF jsonb_typeof(v) <> 'number' THEN
+                    RETURN format('at %s/%s: %s is not a number', p, k, v);
+                END IF;
+            WHEN k = 'required' THEN
+                IF jsonb_typeof(v) <> 'array' OR EXISTS (SELECT 1 FROM jsonb_array_elements(v) r WHERE jsonb_typeof(r) <> 'string') THEN
+                    RETURN format('at %s/required: %s is not an array of strings', p, v);
+                END IF;
+            WHEN k IN ('enum') THEN
+                IF jsonb_typeof(v) <> 'array' THEN
+                    RETURN format('at %s/enum: %s is not an array', p, v);
+                END IF;
+            WHEN k IN ('const', 'uniqueItems') THEN
+                NULL;
+            WHEN k = 'pattern' THEN
+                BEGIN
+                    PERFORM '' ~ (v #>> '{}');
+                EXCEPTION WHEN invalid_regular_expression THEN
+                    RETURN format('at %s/pattern: %s is not a regular expression', p, v);
+                END;
+            WHEN k = 'properties' THEN
+                IF jsonb_typeof(v) <> 'object' THEN
+                    RETURN format('at %s/properties: %s is not an object', p, v);
+                END IF;
+                stack := stack || ARRAY(SELECT e.value FROM jsonb_each(v) e ORDER BY e.key);
+                paths := paths || ARRAY(SELECT p || '/properties/' || replace(replace(e.key, '~', '~0'), '/', '~1')
+                                          FROM jsonb_each(v) e ORDER BY e.key);
+            WHEN k IN ('items', 'additionalProperties') THEN
+                stack := stack || v;
+                paths := paths || (p || '/' || k);
+            ELSE
+                RETURN format('at %s: the SQL edition does not check the keyword %s; the extension does', coalesce(nullif(p, ''), '/'), k);
+            END CASE;
+        END LOOP;
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+--@end
+
+--@function check_payload
+CREATE FUNCTION outbox.check_payload(aggregate_type text, event_type text, schema_version integer, payload jsonb)
+RETURNS void
+LANGUAGE plpgsql STRICT STABLE PARALLEL RESTRICTED SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+-- A subset of JSON Schema, walked depth first: type, enum, const, the
+-- numeric bounds and multipleOf, minLength, maxLength, pattern (PostgreSQL's
+-- regular expressions), items, minItems, maxItems, uniqueItems, properties,
+-- required, additionalProperties, minProperties, maxProperties; annotations
+-- are ignored. register_schema refuses any other keyword (schema_problem).
+#variable_conflict use_variable
+DECLARE
+    mode text;
+    root jsonb;
+    known text;
+    stack jsonb[];
+    vals jsonb[];
+    ptrs text[];
+    spaths text[];
+    n integer;
+    s jsonb;
+    v jsonb;
+    p text;
+    sp text;
+    t text;
+    rule text;
+    words text;
+    k text;
+    sub jsonb;
+    extra text;
+BEGIN
+    SELECT coalesce((SELECT c.mode FROM outbox.schema_checks c WHERE c.aggregate_type = check_payload.aggregate_type), 'enforce'),
+           (SELECT e.schema FROM outbox.event_schemas e
+             WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type
+               AND e.schema_version = check_payload.schema_version)
+      INTO mode, root;
+    IF mode = 'off' THEN
+        RETURN;
+    END IF;
+    IF root IS NULL THEN
+        SELECT string_agg(e.schema_version::text, ', ' ORDER BY e.schema_version) INTO known
+          FROM outbox.event_schemas e
+         WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type;
+        IF known IS NULL THEN
+            RETURN;
+        END IF;
+        IF mode = 'enforce' THEN
+            RAISE EXCEPTION 'no schema is registered for % event % version % (registered versions: %)',
+                            aggregate_type, event_type, schema_version, known
+                USING ERRCODE = 'PO021', HINT = 'Register the version with outbox.register_schema, or emit with a registered schema_version.';
+        END IF;
+        RAISE WARNING 'no schema is registered for % event % version % (registered versions: %)',
+                      aggregate_type, event_type, schema_version, known
+            USING ERRCODE = 'PO021', HINT = 'Register the version with outbox.register_schema, or emit with a registered schema_version.';
+        RETURN;
+    END IF;
+
+    stack := ARRAY[root]; vals := ARRAY[payload]; ptrs := ARRAY['']; spaths := ARRAY[''];
+    <<walk>>
+    WHILE cardinality(stack) > 0 LOOP
+        n := cardinality(stack);
+        s := stack[n]; v := vals[n]; p := ptrs[n]; sp := spaths[n];
+        stack := stack[1:n - 1]; vals := vals[1:n - 1]; ptrs := ptrs[1:n - 1]; spaths := spaths[1:n - 1];
+        IF s = 'false'::jsonb THEN
+            rule := 'false'; words := 'False schema does not allow ' || v::text;
+            EXIT walk;
+        END IF;
+        CONTINUE walk WHEN jsonb_typeof(s) <> 'object';
+        t := jsonb_typeof(v);
+        IF s ? 'type' AND NOT EXISTS (
+               SELECT 1 FROM jsonb_array_elements_text(CASE jsonb_typeof(s->'type') WHEN 'array' THEN s->'type'
+                                                       ELSE jsonb_build_array(s->'type') END) want
+                WHERE want = t OR (want = 'integer' AND t = 'number' AND (v #>> '{}')::numeric % 1 = 0)) THEN
+            rule := 'type'; sp := sp || '/type'; words := format('%s is not of type %s', v, s->'type');
+            EXIT walk;
+        END IF;
+        IF s ? 'enum' AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(s->'enum') x WHERE x = v) THEN
+            rule := 'enum'; sp := sp || '/enum'; words := format('%s is not one of %s', v, s->'enum');
+            EXIT walk;
+        END IF;
+        IF s ? 'const' AND s->'const' <> v THEN
+            rule := 'const'; sp := sp || '/const'; words := format('%s was expected', s->'const');
+            EXIT walk;
+        END IF;
+        IF t = 'number' THEN
+            FOR k IN SELECT x FROM unnest(ARRAY['minimum', 'maximum', 'exclusiveMinimum', 'exclusiveMaximum', 'multipleOf']) x LOOP
+                CONTINUE WHEN NOT s ? k;
+                IF (CASE k WHEN 'minimum' THEN (v #>> '{}')::numeric < (s->>k)::numeric
+                          WHEN 'maximum' THEN (v #>> '{}')::numeric > (s->>k)::numeric
+                          WHEN 'exclusiveMinimum' THEN (v #>> '{}')::numeric <= (s->>k)::numeric
+                          WHEN 'exclusiveMaximum' THEN (v #>> '{}')::numeric >= (s->>k)::numeric
+                          ELSE (v #>> '{}')::numeric % (s->>k)::numeric <> 0 END) THEN
+                    rule := k; sp := sp || '/' || k; words := format('%s breaks %s %s', v, k, s->k);
+                    EXIT walk;
+                END IF;
+            END LOOP;
+        ELSIF t = 'string' THEN
+            IF s ? 'minLength' AND length(v #>> '{}') < (s->>'minLength')::numeric THEN
+                rule := 'minLength'; sp := sp || '/minLength'; words := format('%s is shorter than %s characters', v, s->'minLength');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxLength' AND length(v #>> '{}') > (s->>'maxLength')::numeric THEN
+                rule := 'maxLength'; sp := sp || '/maxLength'; words := format('%s is longer than %s characters', v, s->'maxLength');
+                EXIT walk;
+            END IF;
+            IF s ? 'pattern' AND (v #>> '{}') !~ (s->>'pattern') THEN
+                rule := 'pattern'; sp := sp || '/pattern'; words := format('%s does not match %s', v, s->'pattern');
+                EXIT walk;
+            END IF;
+        ELSIF t = 'array' THEN
+            IF s ? 'minItems' AND jsonb_array_length(v) < (s->>'minItems')::numeric THEN
+                rule := 'minItems'; sp := sp || '/minItems'; words := format('the array has fewer than %s items', s->'minItems');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxItems' AND jsonb_array_length(v) > (s->>'maxItems')::numeric THEN
+                rule := 'maxItems'; sp := sp || '/maxItems'; words := format('the array has more than %s items', s->'maxItems');
+                EXIT walk;
+            END IF;
+            IF s->'uniqueItems' = 'true'::jsonb
+               AND (SELECT count(DISTINCT x) <> count(*) FROM jsonb_array_elements(v) x) THEN
+                rule := 'uniqueItems'; sp := sp || '/uniqueItems'; words := format('%s has non-unique elements', v);
+                EXIT walk;
+            END IF;
+            IF s ? 'items' THEN
+                -- Pushed last first, so that the first item is checked first.
+                stack := stack || ARRAY(SELECT s->'items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                vals := vals || ARRAY(SELECT x.e FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || (x.i - 1) FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+            END IF;
+        ELSIF t = 'object' THEN
+            SELECT r INTO k FROM jsonb_array_elements_text(coalesce(s->'required', '[]')) r WHERE NOT v ? r LIMIT 1;
+            IF FOUND THEN
+                rule := 'required'; sp := sp || '/required'; words := format('%s is a required property', to_jsonb(k));
+                EXIT walk;
+            END IF;
+            IF s ? 'minProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) < (s->>'minProperties')::numeric THEN
+                rule := 'minProperties'; sp := sp || '/minProperties'; words := format('the object has fewer than %s properties', s->'minProperties');
+                EXIT walk;
+            END IF;
+            IF s ? 'maxProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) > (s->>'maxProperties')::numeric THEN
+                rule := 'maxProperties'; sp := sp || '/maxProperties'; words := format('the object has more than %s properties', s->'maxProperties');
+                EXIT walk;
+            END IF;
+            IF s->'additionalProperties' = 'false'::jsonb THEN
+                SELECT x INTO extra FROM jsonb_object_keys(v) x
+                 WHERE NOT coalesce(s->'properties', '{}') ? x ORDER BY x LIMIT 1;
+                IF FOUND THEN
+                    rule := 'additionalProperties'; sp := sp || '/additionalProperties';
+                    words := format('Additional properties are not allowed (%s was unexpected)', to_jsonb(extra));
+                    EXIT walk;
+                END IF;
+            ELSIF jsonb_typeof(s->'additionalProperties') = 'object' THEN
+                stack := stack || ARRAY(SELECT s->'additionalProperties' FROM jsonb_each(v) e
+                                         WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                vals := vals || ARRAY(SELECT e.value FROM jsonb_each(v) e
+                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(e.key, '~', '~0'), '/', '~1') FROM jsonb_each(v) e
+                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/additionalProperties' FROM jsonb_each(v) e
+                                           WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+            END IF;
+            IF jsonb_typeof(s->'properties') = 'object' THEN
+                stack := stack || ARRAY(SELECT d.value FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                vals := vals || ARRAY(SELECT v->d.key FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(d.key, '~', '~0'), '/', '~1')
+                                        FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                spaths := spaths || ARRAY(SELECT sp || '/properties/' || replace(replace(d.key, '~', '~0'), '/', '~1')
+                                            FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+            END IF;
+        END IF;
+    END LOOP;
+    IF rule IS NULL THEN
+        RETURN;
+    END IF;
+    IF mode = 'enforce' THEN
+        RAISE EXCEPTION 'payload of % event % version % breaks its schema at % (rule %): %',
+                        aggregate_type, event_type, schema_version,
+                        CASE p WHEN '' THEN 'its root' ELSE '"' || p || '"' END, rule, words
+            USING ERRCODE = 'PO020', DETAIL = format('pointer=%s rule=%s schema_path=%s', p, rule, sp),
+                  HINT = 'Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema).';
+    END IF;
+    RAISE WARNING 'payload of % event % version % breaks its schema at % (rule %): %',
+                  aggregate_type, event_type, schema_version,
+                        CASE p WHEN '' THEN 'its root' ELSE '"' || p || '"' END, rule, words
+        USING ERRCODE = 'PO020', DETAIL = format('pointer=%s rule=%s schema_path=%s', p, rule, sp),
+              HINT = 'Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema).';
 END
 $$;
 --@end

@@ -432,7 +432,7 @@ fn first_value(_spi: &Spi, column: i32) -> Option<Datum> {
 ///
 /// # Safety
 /// `text` is a text (varlena) datum that lives as long as `'a`.
-unsafe fn bytes<'a>(text: Datum) -> &'a [u8] {
+pub(crate) unsafe fn bytes<'a>(text: Datum) -> &'a [u8] {
     // SAFETY: a varlena, detoasted if need be (a copy in the current memory
     // context, which outlives the call).
     unsafe {
@@ -779,6 +779,11 @@ fn emit(fcinfo: pg_sys::FunctionCallInfo, call: Call) -> Result<Datum, Refusal> 
         pgrx::error!("pg_outbox: validation let a NULL identifier through");
     };
 
+    if let Some(event_type) = call.event_type {
+        let version = call.schema_version.map_or(1, |v| v.value() as i32);
+        // SAFETY: text and jsonb arguments of this call.
+        unsafe { crate::contracts::check(aggregate_type, event_type, version, call.payload) }?;
+    }
     lock(aggregate_type, aggregate_id);
     let id_bytes = crate::event_id();
     let event_id = uuid_datum(id_bytes);
@@ -1074,7 +1079,7 @@ fn open_plain_indexes(rel: &Opened) -> Option<OpenIndexes> {
 
 /// An error to raise with its own SQLSTATE. (Raised through pgrx, a
 /// SQLSTATE that PostgreSQL does not define would become XX000.)
-struct Refusal {
+pub(crate) struct Refusal {
     sqlstate: [u8; 5],
     message: String,
     detail: Option<String>,
@@ -1104,8 +1109,76 @@ impl Refusal {
         }
     }
 
+    /// A payload that breaks the registered schema of its event type and
+    /// version (`outbox.check_payload`'s message in the SQL edition is the
+    /// same but for the validator's own words after the colon).
+    pub(crate) fn payload_breaks_schema(
+        aggregate_type: &str,
+        event_type: &str,
+        version: i32,
+        pointer: &str,
+        rule: &str,
+        schema_path: &str,
+        words: &str,
+    ) -> Refusal {
+        Refusal {
+            sqlstate: *b"PO020",
+            message: format!(
+                "payload of {aggregate_type} event {event_type} version {version} breaks its schema at {} (rule {rule}): {words}",
+                if pointer.is_empty() { "its root".to_owned() } else { format!("\"{pointer}\"") }
+            ),
+            detail: Some(format!("pointer={pointer} rule={rule} schema_path={schema_path}")),
+            hint: Some(
+                "Fix the payload, or register a new schema version and emit with schema_version => it (outbox.register_schema)."
+                    .into(),
+            ),
+        }
+    }
+
+    /// An event type with registered schemas, emitted with a version that
+    /// has none.
+    pub(crate) fn unregistered_version(
+        aggregate_type: &str,
+        event_type: &str,
+        version: i32,
+        known: &[String],
+    ) -> Refusal {
+        Refusal {
+            sqlstate: *b"PO021",
+            message: format!(
+                "no schema is registered for {aggregate_type} event {event_type} version {version} (registered versions: {})",
+                known.join(", ")
+            ),
+            detail: None,
+            hint: Some(
+                "Register the version with outbox.register_schema, or emit with a registered schema_version."
+                    .into(),
+            ),
+        }
+    }
+
+    /// A registered schema the validator cannot compile.
+    pub(crate) fn schema_not_valid(reason: &str) -> Refusal {
+        Refusal {
+            sqlstate: *b"PO022",
+            message: format!("the registered schema is not a JSON Schema the validator can use: {reason}"),
+            detail: None,
+            hint: Some("Register a corrected schema as a new version.".into()),
+        }
+    }
+
+    /// ereport(WARNING): the same report, and the call goes on.
+    pub(crate) fn warn(self) {
+        self.report(pgrx::PgLogLevel::WARNING as _);
+    }
+
     /// ereport(ERROR): does not return.
-    fn raise(self) -> ! {
+    pub(crate) fn raise(self) -> ! {
+        self.report(pgrx::PgLogLevel::ERROR as _);
+        unreachable!("ereport(ERROR) returned")
+    }
+
+    fn report(self, level: std::ffi::c_int) {
         extern "C-unwind" {
             fn errstart(elevel: std::ffi::c_int, domain: *const std::ffi::c_char) -> bool;
             fn errcode(sqlerrcode: std::ffi::c_int) -> std::ffi::c_int;
@@ -1134,7 +1207,7 @@ impl Refusal {
         // SAFETY: ereport's expansion, with "%s" formats over strings in
         // PostgreSQL memory; errfinish at ERROR longjmps out.
         unsafe {
-            if errstart(pgrx::PgLogLevel::ERROR as _, std::ptr::null()) {
+            if errstart(level, std::ptr::null()) {
                 errcode(code);
                 errmsg(c"%s".as_ptr(), message);
                 if let Some(detail) = detail {
@@ -1146,7 +1219,6 @@ impl Refusal {
                 errfinish(c"emit.rs".as_ptr(), line!() as _, c"emit_event".as_ptr());
             }
         }
-        unreachable!("ereport(ERROR) returned")
     }
 }
 

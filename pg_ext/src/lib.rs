@@ -18,6 +18,7 @@ use pgrx::prelude::*;
 
 ::pgrx::pg_module_magic!(name, version);
 
+mod contracts;
 mod emit;
 
 /// `pg_outbox.max_payload_bytes`: the largest payload emit_event accepts.
