@@ -83,7 +83,9 @@ fn load() -> bool {
         ]
     };
     if tables.contains(&pg_sys::InvalidOid) {
-        pgrx::error!("pg_outbox: its schema tables are missing; run ALTER EXTENSION pg_outbox UPDATE");
+        pgrx::error!(
+            "pg_outbox: its schema tables are missing; run ALTER EXTENSION pg_outbox UPDATE"
+        );
     }
     TABLES.set(tables);
     let mut contracts = Contracts::default();
@@ -188,7 +190,10 @@ pub(crate) unsafe fn check(
             .get_mut(&(aggregate_type.clone(), event_type.clone()))?;
         let known: Vec<String> = versions.iter().map(|r| r.version.to_string()).collect();
         let Some(registered) = versions.iter_mut().find(|r| r.version == version) else {
-            return Some((mode, Refusal::unregistered_version(&aggregate_type, &event_type, version, &known)));
+            return Some((
+                mode,
+                Refusal::unregistered_version(&aggregate_type, &event_type, version, &known),
+            ));
         };
         let schema = &registered.schema;
         let validator = registered.compiled.get_or_insert_with(|| compile(schema));
@@ -199,7 +204,8 @@ pub(crate) unsafe fn check(
             }
         };
         // SAFETY: the jsonb argument of the caller's call.
-        let payload = payload.and_then(|p| unsafe { <pgrx::JsonB as FromDatum>::from_datum(p, false) });
+        let payload =
+            payload.and_then(|p| unsafe { <pgrx::JsonB as FromDatum>::from_datum(p, false) });
         let payload = payload.map_or(serde_json::Value::Null, |p| p.0);
         let error = validator.validate(&payload).err()?;
         Some((
@@ -282,7 +288,9 @@ pub unsafe extern "C-unwind" fn schema_problem(fcinfo: pg_sys::FunctionCallInfo)
     };
     match problem {
         // SAFETY: a text made in the caller's memory context.
-        Some(problem) => problem.into_datum().unwrap_or_else(|| unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }),
+        Some(problem) => problem
+            .into_datum()
+            .unwrap_or_else(|| unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }),
         // SAFETY: the function's own call.
         None => unsafe { pgrx::fcinfo::pg_return_null(fcinfo) },
     }

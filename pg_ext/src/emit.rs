@@ -1161,7 +1161,9 @@ impl Refusal {
     pub(crate) fn schema_not_valid(reason: &str) -> Refusal {
         Refusal {
             sqlstate: *b"PO022",
-            message: format!("the registered schema is not a JSON Schema the validator can use: {reason}"),
+            message: format!(
+                "the registered schema is not a JSON Schema the validator can use: {reason}"
+            ),
             detail: None,
             hint: Some("Register a corrected schema as a new version.".into()),
         }

@@ -748,8 +748,11 @@ async fn the_sql_edition_equals_the_extension_but_for_the_language_of_its_c_func
     assert_eq!(
         c_functions,
         [
+            "outbox.check_payload(text,text,integer,jsonb)",
             "outbox.emit_event(text,text,text,jsonb,jsonb,integer,bigint,text,text)",
             "outbox.lock_aggregate(text,text)",
+            "outbox.schema_problem(jsonb)",
+            "outbox.schemas_changed()",
             "outbox.uuid_v7()"
         ]
     );
