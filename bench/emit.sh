@@ -8,6 +8,10 @@
 #        running the SQL INSERT): what the executor-free insert is worth
 #   (b') outbox.emit_event of the SQL edition (PL/pgSQL), in a database of
 #        its own installed from sql/pg_outbox_sql.sql
+#   (v)  outbox.emit_event of a realistic order (12 properties, nested
+#        items) whose event type has no schema, and (v+) the same payload
+#        under an event type with a registered JSON Schema (enforced):
+#        what checking it costs; (v') and (v'+) the same on the SQL edition
 # at 8 clients on distinct aggregates; then (b) and (b') on one hot
 # aggregate at 1 and at 8 clients. Prints TPS and the ratios. The runs go in rounds, each round
 # running every script once back to back, and the ratios are taken within a
@@ -16,6 +20,8 @@
 # last in even ones so that a drift within a round does not favour either
 # side. The summary gives each figure's median over the rounds.
 #   bench/emit.sh [SECONDS_PER_RUN] [ROUNDS]
+#   bench/emit.sh --contracts [SECONDS_PER_RUN] [ROUNDS]
+#       only (v), (v+), (v') and (v'+), interleaved
 #   bench/emit.sh --direct-insert [SECONDS_PER_RUN] [ROUNDS]
 #       only (b) and (b-), interleaved: what the executor-free insert is
 #       worth, measured apart from the other scripts' effects on the VM
@@ -23,7 +29,9 @@ set -euo pipefail
 . "$(dirname "$0")/../scripts/env.sh"
 cd "$ROOT"
 only_direct=
+only_contracts=
 if [ "${1:-}" = --direct-insert ]; then only_direct=1; shift; fi
+if [ "${1:-}" = --contracts ]; then only_contracts=1; shift; fi
 SECONDS_PER_RUN=${1:-5}
 ROUNDS=${2:-11}
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
@@ -47,6 +55,10 @@ CREATE TABLE plain_outbox (
 SQL
 psql "${OWNER_PGURL%/*}/$SQL_DB" -q -f sql/pg_outbox_sql.sql
 psql_admin -d $SQL_DB -c "$orders" >/dev/null
+# The schema (v+) checks payloads against, in both databases.
+for db in $DB $SQL_DB; do
+    psql_admin -d $db -c "SELECT outbox.register_schema('order', 'OrderChecked', 1, \$\$$(cat bench/order_placed.schema.json)\$\$)" >/dev/null
+done
 
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
@@ -81,6 +93,18 @@ SELECT outbox.emit_event('order', 'hot', 'OrderPlaced', '{"total": 10}');
 END;
 SQL
 
+order_payload=$(tr -d '\n' < bench/order_placed.json)
+for checked in "order OrderPlaced" "order_checked OrderChecked"; do
+    set -- $checked
+    cat >"$dir/$1.sql" <<SQL
+\\set aid random(1, 100000)
+BEGIN;
+$business
+SELECT outbox.emit_event('order', :aid::text, '$2', '$order_payload');
+END;
+SQL
+done
+
 run() { # script clients [database] -> tps
     # No CHECKPOINT here: one right before a short run charges every first
     # touch of a random B-tree page with a full-page image, which in service
@@ -100,6 +124,26 @@ drop_databases() {
         -c "DROP DATABASE IF EXISTS $SQL_DB WITH (FORCE)" >/dev/null
 }
 
+if [ -n "$only_contracts" ]; then
+    declare -a v vc sv svc r_v r_sv
+    printf '%-6s %8s %8s %8s %8s   %s\n' round "(v)" "(v+)" "(v')" "(v'+)" "(v+)/(v) (v'+)/(v')" >&2
+    for round in $(seq 1 "$ROUNDS"); do
+        if (( round % 2 )); then
+            a=$(run order 8); b=$(run order_checked 8); c=$(run order 8 $SQL_DB); d=$(run order_checked 8 $SQL_DB)
+        else
+            d=$(run order_checked 8 $SQL_DB); c=$(run order 8 $SQL_DB); b=$(run order_checked 8); a=$(run order 8)
+        fi
+        v+=("$a"); vc+=("$b"); sv+=("$c"); svc+=("$d"); r_v+=("$(ratio3 "$b" "$a")"); r_sv+=("$(ratio3 "$d" "$c")")
+        printf '%-6s %8s %8s %8s %8s   %s %s\n' "$round" "$a" "$b" "$c" "$d" "${r_v[-1]}" "${r_sv[-1]}" >&2
+    done
+    drop_databases
+    printf '\n%-60s %8s %8s %s\n' "emit_event of an order, 8 clients (median of $ROUNDS)" "tps" "ratio" "target"
+    printf '%-60s %8s %8s\n' "(v) no schema registered for its event type" "$(median "${v[@]}")" "1.000"
+    printf '%-60s %8s %8s %s\n' "(v+) checked against a registered schema" "$(median "${vc[@]}")" "$(median "${r_v[@]}")" ">= 0.8 of (v)"
+    printf '%-60s %8s %8s\n' "(v') SQL edition, no schema" "$(median "${sv[@]}")" "1.000"
+    printf '%-60s %8s %8s\n' "(v'+) SQL edition, checked" "$(median "${svc[@]}")" "$(median "${r_sv[@]}")"
+    exit 0
+fi
 if [ -n "$only_direct" ]; then
     declare -a with without r_direct
     printf '%-6s %8s %8s   %s\n' round "(b)" "(b-)" "(b)/(b-)" >&2

@@ -300,21 +300,17 @@ DECLARE
     sub jsonb;
     extra text;
 BEGIN
+    -- One statement for the common call, whose event type has no schema.
     SELECT coalesce((SELECT c.mode FROM outbox.schema_checks c WHERE c.aggregate_type = check_payload.aggregate_type), 'enforce'),
-           (SELECT e.schema FROM outbox.event_schemas e
-             WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type
-               AND e.schema_version = check_payload.schema_version)
-      INTO mode, root;
-    IF mode = 'off' THEN
+           (array_agg(e.schema) FILTER (WHERE e.schema_version = check_payload.schema_version))[1],
+           string_agg(e.schema_version::text, ', ' ORDER BY e.schema_version)
+      INTO mode, root, known
+      FROM outbox.event_schemas e
+     WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type;
+    IF mode = 'off' OR known IS NULL THEN
         RETURN;
     END IF;
     IF root IS NULL THEN
-        SELECT string_agg(e.schema_version::text, ', ' ORDER BY e.schema_version) INTO known
-          FROM outbox.event_schemas e
-         WHERE e.aggregate_type = check_payload.aggregate_type AND e.event_type = check_payload.event_type;
-        IF known IS NULL THEN
-            RETURN;
-        END IF;
         IF mode = 'enforce' THEN
             RAISE EXCEPTION 'no schema is registered for % event % version % (registered versions: %)',
                             aggregate_type, event_type, schema_version, known
