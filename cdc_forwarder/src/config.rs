@@ -409,6 +409,9 @@ pub struct Config {
     pub transaction_timeout: Duration,
     /// Where poison events go; without it a poison event halts the forwarder.
     pub dead_letter_topic: Option<String>,
+    /// With a dead-letter topic: park the aggregate of a dead-lettered event,
+    /// holding its later events back (see [`crate::parking`]).
+    pub park_aggregates: bool,
     /// What a record's value holds.
     pub value_format: ValueFormat,
     /// How the Kafka clients authenticate and encrypt.
@@ -587,6 +590,7 @@ impl Config {
             batch_linger: Duration::ZERO,
             transaction_timeout: Duration::from_secs(300),
             dead_letter_topic: None,
+            park_aggregates: true,
             value_format: ValueFormat::Raw,
             kafka_security: KafkaSecurity::default(),
             kafka_properties: KafkaProperties::default(),

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use cdc_forwarder::config::KafkaProperties;
 use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::options::{ConfigFile, Options};
-use cdc_forwarder::{check, pipeline, replay, slot, status, Error};
+use cdc_forwarder::{check, pipeline, redrive, replay, slot, status, Error};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use tokio::sync::watch;
 
@@ -90,6 +90,21 @@ enum Command {
         /// First sequence number to replay.
         #[arg(long, default_value_t = 1)]
         from_seq: i64,
+        #[command(flatten)]
+        args: Options,
+    },
+    /// Publish what parked aggregates hold back (their dead-lettered events
+    /// and those held behind them) to the topics they route to now, in
+    /// sequence order, with the header redriven=true, and let the aggregates
+    /// flow again. Run it once the cause is fixed; running it again
+    /// publishes nothing new. Exits 3 when an event is still refused.
+    Redrive {
+        /// Only the parked aggregates of this type.
+        #[arg(long)]
+        aggregate_type: Option<String>,
+        /// Only this aggregate (with --aggregate-type).
+        #[arg(long)]
+        aggregate_id: Option<String>,
         #[command(flatten)]
         args: Options,
     },
@@ -235,6 +250,46 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
                 "replayed {sent} events of {} {} from sequence {}",
                 selection.aggregate_type, selection.aggregate_id, selection.from_seq
             );
+            Ok(())
+        }
+        Command::Redrive {
+            aggregate_type,
+            aggregate_id,
+            args,
+        } => {
+            let config = config_from(&args)?;
+            let selection = redrive::Selection {
+                aggregate_type,
+                aggregate_id,
+            };
+            let outcomes = runtime.block_on(redrive::run(&config, &selection, |outcome| {
+                match outcome {
+                    redrive::Outcome::Redriven {
+                        aggregate,
+                        first_seq,
+                        last_seq,
+                        events,
+                    } => println!(
+                        "{aggregate}: {events} events (aggregate_seq {first_seq} to {last_seq}) published again; unparked"
+                    ),
+                    redrive::Outcome::StillRefused { aggregate, reason } => {
+                        println!("{aggregate}: still refused, left parked: {reason}")
+                    }
+                }
+            }))?;
+            let refused = outcomes
+                .iter()
+                .filter(|o| matches!(o, redrive::Outcome::StillRefused { .. }))
+                .count();
+            println!(
+                "redrive: {} aggregates unparked, {refused} still parked",
+                outcomes.len() - refused
+            );
+            if refused > 0 {
+                return Err(Error::Setup(format!(
+                    "{refused} parked aggregates still have a refused event; fix the cause and run redrive again"
+                )));
+            }
             Ok(())
         }
         Command::Publication { action, args } => {

@@ -42,6 +42,12 @@ pub struct Metrics {
     pub retries: Counter,
     pub errors: Family<ErrorKind, Counter>,
     pub dead_lettered: Counter,
+    /// Events dead-lettered behind an earlier one of their aggregate.
+    pub parked_events: Counter,
+    /// Aggregates parked behind a dead-lettered event (read each second).
+    pub parked_aggregates: Gauge,
+    /// How long the oldest parked aggregate has been parked, in seconds.
+    pub parked_oldest_seconds: Gauge,
     pub caught_up_events: Counter,
     /// Polling (`--source poll`): events no relay has published yet.
     pub poll_pending_events: Gauge,
@@ -75,6 +81,9 @@ impl Metrics {
         let retries = Counter::default();
         let errors = Family::<ErrorKind, Counter>::default();
         let dead_lettered = Counter::default();
+        let parked_events = Counter::default();
+        let parked_aggregates = Gauge::default();
+        let parked_oldest_seconds = Gauge::default();
         let caught_up_events = Counter::default();
         let poll_pending_events = Gauge::default();
         let poll_oldest_pending_ms = Gauge::default();
@@ -139,6 +148,21 @@ impl Metrics {
             dead_lettered.clone(),
         );
         registry.register(
+            "parked_events",
+            "Events dead-lettered behind an earlier dead letter of their aggregate",
+            parked_events.clone(),
+        );
+        registry.register(
+            "parked_aggregates",
+            "Aggregates held back behind a dead-lettered event until redrive (read each second)",
+            parked_aggregates.clone(),
+        );
+        registry.register(
+            "parked_oldest_seconds",
+            "How long the oldest parked aggregate has been parked",
+            parked_oldest_seconds.clone(),
+        );
+        registry.register(
             "catch_up_events",
             "Events delivered by first-start catch-ups",
             caught_up_events.clone(),
@@ -187,6 +211,9 @@ impl Metrics {
             retries,
             errors,
             dead_lettered,
+            parked_events,
+            parked_aggregates,
+            parked_oldest_seconds,
             caught_up_events,
             poll_pending_events,
             poll_oldest_pending_ms,

@@ -99,6 +99,13 @@ pub struct Options {
     /// the reason in headers, instead of halting.
     #[arg(long, env = "OUTBOX_DEAD_LETTER_TOPIC")]
     pub dead_letter_topic: Option<String>,
+    /// With a dead-letter topic, let an aggregate's later events go on to
+    /// their topics past a dead-lettered one, as before 0.6 (consumers may
+    /// then see its event n+1 without n). By default the aggregate is parked:
+    /// its later events are dead-lettered behind the first until
+    /// `outbox-forwarder redrive`.
+    #[arg(long, env = "OUTBOX_DEAD_LETTER_UNORDERED")]
+    pub dead_letter_unordered: bool,
     /// Record values: the raw payload, an envelope JSON with the identity
     /// fields, or CloudEvents binary mode (ce_* headers).
     #[arg(long, value_enum, ignore_case = true, env = "OUTBOX_VALUE_FORMAT", default_value_t = ValueFormat::Raw)]
@@ -167,6 +174,7 @@ impl Options {
         config.delivery = self.delivery;
         config.offsets_topic = self.offsets_topic;
         config.dead_letter_topic = self.dead_letter_topic;
+        config.park_aggregates = !self.dead_letter_unordered;
         config.value_format = self.value_format;
         config.batch_max_events = self.batch_max_events;
         config.batch_linger = std::time::Duration::from_millis(self.batch_linger_ms);

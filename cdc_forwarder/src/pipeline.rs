@@ -36,6 +36,7 @@ use crate::horizon::{Mark, ORIGIN_SQL};
 use crate::lsn::Lsn;
 use crate::metrics::{Metrics, State};
 use crate::offsets::OffsetStore;
+use crate::parking::{self, Parking};
 use crate::poll::{self, PollSource};
 use crate::producer::{is_fenced, Producer};
 use crate::replication::{CreatedSlot, ReplicationStream};
@@ -147,13 +148,7 @@ async fn session(
     let sql = slot::connect(&config.postgres).await?;
     slot::prepare(&sql, config).await?;
     faults::check("producer_init");
-    let out = Publisher::new(
-        Producer::new(config)?,
-        router.clone(),
-        config.dead_letter_topic.clone(),
-        poisoned.clone(),
-        metrics.clone(),
-    );
+    let out = publisher(config, router, poisoned, metrics).await?;
     let session = Session {
         config,
         sql,
@@ -187,6 +182,27 @@ async fn session(
     }
 }
 
+/// The session's producer behind routing and dead letters, which park
+/// their aggregates unless the operator chose otherwise.
+async fn publisher(
+    config: &Config,
+    router: &Arc<Router>,
+    poisoned: &HashSet<String>,
+    metrics: &Arc<Metrics>,
+) -> Result<Publisher<Producer>> {
+    let out = Publisher::new(
+        Producer::new(config)?,
+        router.clone(),
+        config.dead_letter_topic.clone(),
+        poisoned.clone(),
+        metrics.clone(),
+    );
+    if config.dead_letter_topic.is_some() && config.park_aggregates {
+        return Ok(out.with_parking(Parking::open(config).await?));
+    }
+    Ok(out)
+}
+
 /// A polling relay's session: the poll source into the at-least-once sink,
 /// until shutdown or an error; on shutdown the relay gives its leases back.
 async fn poll_session(
@@ -199,13 +215,7 @@ async fn poll_session(
     let sql = slot::connect(&config.postgres).await?;
     poll::prepare(&sql).await?;
     faults::check("producer_init");
-    let out = Publisher::new(
-        Producer::new(config)?,
-        router.clone(),
-        config.dead_letter_topic.clone(),
-        poisoned.clone(),
-        metrics.clone(),
-    );
+    let out = publisher(config, router, poisoned, metrics).await?;
     let mut sink = AtLeastOnce::new(
         out,
         config.max_in_flight_events,
@@ -217,6 +227,7 @@ async fn poll_session(
     tracing::info!(relay = %config.poll.relay, database = %config.postgres.dbname(), "polling");
     let outcome = forward(&mut source, &mut sink, shutdown, metrics, async |_| {
         poll::record_figures(&sql, metrics).await?;
+        record_parked(&sql, config, metrics).await?;
         Ok(None)
     })
     .await;
@@ -303,6 +314,7 @@ impl Session<'_> {
                 Err(e) => return Err(e),
             }
         }
+        record_parked(&self.sql, self.config, &self.metrics).await?;
         if let Some((lag, retained)) = slot::wal_figures(&self.sql, &self.config.slot).await? {
             self.metrics.lag_bytes.set(lag);
             self.metrics.retained_wal_bytes.set(retained);
@@ -593,4 +605,15 @@ mod unit {
         assert!(backoff(1, max) <= Duration::from_millis(200));
         assert!(backoff(10, max) >= Duration::from_millis(2500));
     }
+}
+
+/// The parked aggregates' figures, each second, where dead letters park.
+async fn record_parked(sql: &Client, config: &Config, metrics: &Metrics) -> Result<()> {
+    if config.dead_letter_topic.is_none() || !config.park_aggregates {
+        return Ok(());
+    }
+    let (parked, oldest) = parking::figures(sql).await?;
+    metrics.parked_aggregates.set(parked);
+    metrics.parked_oldest_seconds.set(oldest as i64);
+    Ok(())
 }

@@ -30,6 +30,7 @@ use crate::horizon::{Horizon, Mark};
 use crate::ledger::Released;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
+use crate::parking::{Behind, Parking};
 use crate::producer::Kafka;
 use crate::routing::{Route, Router};
 
@@ -92,6 +93,9 @@ pub struct Publisher<K> {
     dead_letter_topic: Option<String>,
     /// Events Kafka refused at delivery in an earlier session.
     poisoned: HashSet<String>,
+    /// With a dead-letter topic: the parked aggregates (none when the
+    /// operator chose unordered dead letters).
+    parking: Option<Parking>,
     metrics: Arc<Metrics>,
 }
 
@@ -108,14 +112,33 @@ impl<K: Kafka> Publisher<K> {
             router,
             dead_letter_topic,
             poisoned,
+            parking: None,
             metrics,
         }
+    }
+
+    /// Dead letters park their aggregates (see [`crate::parking`]).
+    pub fn with_parking(mut self, parking: Parking) -> Self {
+        self.parking = Some(parking);
+        self
     }
 
     /// Sends `event` where it routes, or to the dead-letter topic when it is
     /// poison. Returns its delivery and its size.
     pub async fn publish(&mut self, event: OutboxEvent) -> Result<(K::Delivery, usize)> {
         let size = event.size();
+        if let Some(parking) = &mut self.parking {
+            if let Some(behind) = parking.held_behind(&event).await? {
+                let delivery = if behind.first_event_id == event.event_id {
+                    // Sent again (a replay): it stays a dead letter until redrive.
+                    let reason = "dead-lettered before; its aggregate is parked behind it".into();
+                    self.send_dead_letter(event, reason, None, Vec::new()).await?
+                } else {
+                    self.park_behind(event, behind).await?
+                };
+                return Ok((delivery, size));
+            }
+        }
         if self.poisoned.contains(&event.event_id) {
             let delivery = self
                 .dead_letter(event, "kafka refused it at delivery".into(), None)
@@ -142,12 +165,47 @@ impl<K: Kafka> Publisher<K> {
     /// dead-letter topic a record there with the reason in its headers.
     async fn dead_letter(
         &mut self,
-        mut event: OutboxEvent,
+        event: OutboxEvent,
         reason: String,
         topic: Option<String>,
     ) -> Result<K::Delivery> {
-        let Some(dead_letter_topic) = &self.dead_letter_topic else {
+        if self.dead_letter_topic.is_none() {
             tracing::error!(event_id = %event.event_id, reason = %reason, "poison event; halting (configure a dead-letter topic to divert such events)");
+            return Err(Error::Poison {
+                event_id: event.event_id,
+                reason,
+            });
+        }
+        if let Some(parking) = &mut self.parking {
+            if let Some(behind) = parking.park(&event, &reason).await? {
+                if behind.first_event_id != event.event_id {
+                    // Poison too, but behind an earlier one of its aggregate.
+                    return self.park_behind(event, behind).await;
+                }
+            }
+        }
+        self.send_dead_letter(event, reason, topic, Vec::new()).await
+    }
+
+    /// An event held back behind its aggregate's first dead-lettered event.
+    async fn park_behind(&mut self, event: OutboxEvent, behind: Behind) -> Result<K::Delivery> {
+        let reason = format!(
+            "parked behind event {} (aggregate_seq {}) of its aggregate",
+            behind.first_event_id, behind.first_seq
+        );
+        let extra = vec![("dead_letter_parked_behind".to_owned(), behind.first_event_id)];
+        self.metrics.parked_events.inc();
+        self.send_dead_letter(event, reason, None, extra).await
+    }
+
+    async fn send_dead_letter(
+        &mut self,
+        mut event: OutboxEvent,
+        reason: String,
+        topic: Option<String>,
+        extra: Vec<(String, String)>,
+    ) -> Result<K::Delivery> {
+        let Some(dead_letter_topic) = &self.dead_letter_topic else {
             return Err(Error::Poison {
                 event_id: event.event_id,
                 reason,
@@ -163,6 +221,7 @@ impl<K: Kafka> Publisher<K> {
         if let Some(topic) = topic.or_else(|| event.topic.clone()) {
             headers.push(("dead_letter_topic".to_owned(), topic));
         }
+        headers.extend(extra);
         if event.payload.len() > DEAD_LETTER_MAX_PAYLOAD {
             // Too large for Kafka: the payload stays in outbox.events.
             headers.push(("dead_letter_payload_dropped".to_owned(), "true".to_owned()));

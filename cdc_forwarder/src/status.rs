@@ -36,10 +36,23 @@ pub struct PollStatus {
     pub relays: i64,
 }
 
+/// An aggregate held back behind a dead-lettered event.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Parked {
+    pub aggregate_type: String,
+    pub aggregate_id: String,
+    pub first_seq: i64,
+    pub held_up_to: i64,
+    pub reason: String,
+    pub parked_seconds: f64,
+}
+
 pub struct Status {
     pub slots: Vec<SlotStatus>,
     /// Where polling is enabled (or events are still pending).
     pub polling: Option<PollStatus>,
+    /// Aggregates held back behind a dead-lettered event (none before 0.6.0).
+    pub parked: Vec<Parked>,
     /// Exactly-once mode: the offset stored in Kafka for this forwarder.
     pub stored_offset: Option<String>,
     /// With it, the horizon that tells a lost slot's catch-up what Kafka
@@ -78,6 +91,7 @@ pub async fn collect(config: &Config) -> Result<Status> {
         })
         .collect::<Vec<_>>();
     let polling = poll_status(&client).await?;
+    let parked = parked(&client).await?;
     let mut warnings = Vec::new();
     let names = slots.iter().map(|s| s.slot.as_str());
     let configured = (config.source == SourceKind::Slot).then_some(config.slot.as_str());
@@ -105,6 +119,7 @@ pub async fn collect(config: &Config) -> Result<Status> {
     Ok(Status {
         slots,
         polling,
+        parked,
         stored_offset,
         stored_horizon,
         warnings,
@@ -138,6 +153,36 @@ async fn poll_status(client: &tokio_postgres::Client) -> Result<Option<PollStatu
     }))
 }
 
+/// The parked aggregates, oldest first (none on an extension before 0.6.0).
+async fn parked(client: &tokio_postgres::Client) -> Result<Vec<Parked>> {
+    let rows = client
+        .query(
+            "SELECT aggregate_type, aggregate_id, first_seq, held_up_to, reason, \
+                    extract(epoch FROM now() - parked_at)::float8 \
+               FROM outbox.parked()",
+            &[],
+        )
+        .await;
+    let rows = match rows {
+        Ok(rows) => rows,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) => {
+            Vec::new()
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok(rows
+        .iter()
+        .map(|r| Parked {
+            aggregate_type: r.get(0),
+            aggregate_id: r.get(1),
+            first_seq: r.get(2),
+            held_up_to: r.get(3),
+            reason: r.get(4),
+            parked_seconds: r.get(5),
+        })
+        .collect())
+}
+
 impl Status {
     pub fn to_json(&self) -> Value {
         json!({
@@ -148,6 +193,14 @@ impl Status {
                 "leases_expired": p.leases_expired,
                 "relays": p.relays,
             })),
+            "parked": self.parked.iter().map(|p| json!({
+                "aggregate_type": p.aggregate_type,
+                "aggregate_id": p.aggregate_id,
+                "first_seq": p.first_seq,
+                "held_up_to": p.held_up_to,
+                "reason": p.reason,
+                "parked_seconds": p.parked_seconds,
+            })).collect::<Vec<_>>(),
             "stored_offset": self.stored_offset,
             "stored_horizon": self.stored_horizon.as_ref().map(|(snapshot, listed)| json!({
                 "snapshot": snapshot,
@@ -217,6 +270,17 @@ impl Status {
                 p.leases_held,
                 p.relays,
                 p.leases_expired,
+            ));
+        }
+        if let Some(oldest) = self.parked.first() {
+            out.push_str(&format!(
+                "parked: {} aggregates held back behind a dead letter, the oldest for {:.0} s ({}/{} from aggregate_seq {}: {}); outbox-forwarder redrive publishes them once the cause is fixed\n",
+                self.parked.len(),
+                oldest.parked_seconds,
+                oldest.aggregate_type,
+                oldest.aggregate_id,
+                oldest.first_seq,
+                oldest.reason,
             ));
         }
         if let Some(offset) = &self.stored_offset {

@@ -1,0 +1,126 @@
+//! Dead letters that keep each aggregate's order. When an event is
+//! dead-lettered, its aggregate is parked (`outbox.parked_aggregates`): the
+//! aggregate's later events are dead-lettered too, marked as parked behind
+//! the first, so that no consumer sees its event n+1 before n, while other
+//! aggregates flow on. `outbox-forwarder redrive` publishes the held events
+//! again once the cause is fixed (see [`crate::redrive`]).
+//!
+//! PostgreSQL holds the truth, so that a restarted forwarder, a polling
+//! relay and redrive agree; the forwarder keeps the set of aggregates it
+//! knows to be parked, read at the session's start and grown as it parks,
+//! and asks the database only for events of those. Redrive only removes
+//! aggregates, so the set is never missing one. A park is written before
+//! the dead letter's Kafka transaction commits: after a crash the replayed
+//! poison event finds its own park and is dead-lettered again as the first,
+//! its successors behind it.
+
+use std::collections::HashSet;
+
+use tokio_postgres::Client;
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::event::OutboxEvent;
+use crate::slot;
+
+/// The event an aggregate is parked behind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Behind {
+    pub first_seq: i64,
+    pub first_event_id: String,
+}
+
+/// The session's view of the parked aggregates.
+pub struct Parking {
+    sql: Client,
+    /// Every parked aggregate, and perhaps some that redrive unparked since.
+    known: HashSet<(String, String)>,
+}
+
+impl Parking {
+    /// Connects and reads which aggregates are parked.
+    pub async fn open(config: &Config) -> Result<Parking> {
+        let sql = slot::connect(&config.postgres).await?;
+        let known = sql
+            .query("SELECT aggregate_type, aggregate_id FROM outbox.parked()", &[])
+            .await?
+            .iter()
+            .map(|row| (row.get(0), row.get(1)))
+            .collect();
+        Ok(Parking { sql, known })
+    }
+
+    /// The event `event` is held back behind, when its aggregate is parked
+    /// at or before it.
+    pub async fn held_behind(&mut self, event: &OutboxEvent) -> Result<Option<Behind>> {
+        let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
+        if !self.known.contains(&key) {
+            return Ok(None);
+        }
+        let behind = self.park_event(event, None).await?;
+        if behind.is_none() && !self.is_parked(&key).await? {
+            // Unparked by redrive since the session read the set.
+            self.known.remove(&key);
+        }
+        Ok(behind)
+    }
+
+    /// Parks the aggregate of a poison event, unless it is parked already;
+    /// returns the event it is now parked behind (itself, or an earlier one).
+    pub async fn park(&mut self, event: &OutboxEvent, reason: &str) -> Result<Option<Behind>> {
+        let behind = self.park_event(event, Some(reason)).await?;
+        if behind.is_some() {
+            self.known
+                .insert((event.aggregate_type.clone(), event.aggregate_id.clone()));
+            tracing::warn!(aggregate_type = %event.aggregate_type, aggregate_id = %event.aggregate_id, aggregate_seq = event.aggregate_seq, "aggregate parked: its later events are held back until outbox-forwarder redrive");
+        }
+        Ok(behind)
+    }
+
+    async fn park_event(
+        &self,
+        event: &OutboxEvent,
+        reason: Option<&str>,
+    ) -> Result<Option<Behind>> {
+        let row = self
+            .sql
+            .query_opt(
+                "SELECT first_seq, first_event_id::text FROM outbox.park_event($1, $2, $3, $4::text::uuid, $5)",
+                &[
+                    &event.aggregate_type,
+                    &event.aggregate_id,
+                    &event.aggregate_seq,
+                    &event.event_id,
+                    &reason,
+                ],
+            )
+            .await?;
+        Ok(row.map(|row| Behind {
+            first_seq: row.get(0),
+            first_event_id: row.get(1),
+        }))
+    }
+
+    async fn is_parked(&self, key: &(String, String)) -> Result<bool> {
+        Ok(self
+            .sql
+            .query_opt(
+                "SELECT 1 FROM outbox.parked($1, $2)",
+                &[&key.0, &key.1],
+            )
+            .await?
+            .is_some())
+    }
+}
+
+/// How many aggregates are parked and how long the oldest has been, for
+/// `/metrics` and `status`.
+pub async fn figures(sql: &Client) -> Result<(i64, f64)> {
+    let row = sql
+        .query_one(
+            "SELECT count(*), coalesce(extract(epoch FROM now() - min(parked_at)), 0)::float8 FROM outbox.parked()",
+            &[],
+        )
+        .await?;
+    Ok((row.get(0), row.get(1)))
+}
