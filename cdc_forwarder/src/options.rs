@@ -340,7 +340,9 @@ mod tests {
             .iter()
             .filter(|r| r.key != KAFKA_PROPERTIES)
             .map(|r| match r.key.as_str() {
-                "no_create" | "no_failover_slot" => format!("{} = true\n", r.key),
+                "no_create" | "no_failover_slot" | "dead_letter_unordered" => {
+                    format!("{} = true\n", r.key)
+                }
                 "batch_max_events"
                 | "batch_linger_ms"
                 | "ready_max_lag_bytes"

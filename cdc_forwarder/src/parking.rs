@@ -42,7 +42,10 @@ impl Parking {
     pub async fn open(config: &Config) -> Result<Parking> {
         let sql = slot::connect(&config.postgres).await?;
         let known = sql
-            .query("SELECT aggregate_type, aggregate_id FROM outbox.parked()", &[])
+            .query(
+                "SELECT aggregate_type, aggregate_id FROM outbox.parked()",
+                &[],
+            )
             .await?
             .iter()
             .map(|row| (row.get(0), row.get(1)))
@@ -104,10 +107,7 @@ impl Parking {
     async fn is_parked(&self, key: &(String, String)) -> Result<bool> {
         Ok(self
             .sql
-            .query_opt(
-                "SELECT 1 FROM outbox.parked($1, $2)",
-                &[&key.0, &key.1],
-            )
+            .query_opt("SELECT 1 FROM outbox.parked($1, $2)", &[&key.0, &key.1])
             .await?
             .is_some())
     }

@@ -591,6 +591,17 @@ fn confirm<S: Source>(source: &mut S, metrics: &Metrics, lsn: Lsn) -> Lsn {
 #[cfg(test)]
 mod tests;
 
+/// The parked aggregates' figures, each second, where dead letters park.
+async fn record_parked(sql: &Client, config: &Config, metrics: &Metrics) -> Result<()> {
+    if config.dead_letter_topic.is_none() || !config.park_aggregates {
+        return Ok(());
+    }
+    let (parked, oldest) = parking::figures(sql).await?;
+    metrics.parked_aggregates.set(parked);
+    metrics.parked_oldest_seconds.set(oldest as i64);
+    Ok(())
+}
+
 #[cfg(test)]
 mod unit {
     use super::*;
@@ -605,15 +616,4 @@ mod unit {
         assert!(backoff(1, max) <= Duration::from_millis(200));
         assert!(backoff(10, max) >= Duration::from_millis(2500));
     }
-}
-
-/// The parked aggregates' figures, each second, where dead letters park.
-async fn record_parked(sql: &Client, config: &Config, metrics: &Metrics) -> Result<()> {
-    if config.dead_letter_topic.is_none() || !config.park_aggregates {
-        return Ok(());
-    }
-    let (parked, oldest) = parking::figures(sql).await?;
-    metrics.parked_aggregates.set(parked);
-    metrics.parked_oldest_seconds.set(oldest as i64);
-    Ok(())
 }

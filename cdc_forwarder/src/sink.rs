@@ -132,7 +132,8 @@ impl<K: Kafka> Publisher<K> {
                 let delivery = if behind.first_event_id == event.event_id {
                     // Sent again (a replay): it stays a dead letter until redrive.
                     let reason = "dead-lettered before; its aggregate is parked behind it".into();
-                    self.send_dead_letter(event, reason, None, Vec::new()).await?
+                    self.send_dead_letter(event, reason, None, Vec::new())
+                        .await?
                 } else {
                     self.park_behind(event, behind).await?
                 };
@@ -184,7 +185,8 @@ impl<K: Kafka> Publisher<K> {
                 }
             }
         }
-        self.send_dead_letter(event, reason, topic, Vec::new()).await
+        self.send_dead_letter(event, reason, topic, Vec::new())
+            .await
     }
 
     /// An event held back behind its aggregate's first dead-lettered event.
@@ -193,7 +195,10 @@ impl<K: Kafka> Publisher<K> {
             "parked behind event {} (aggregate_seq {}) of its aggregate",
             behind.first_event_id, behind.first_seq
         );
-        let extra = vec![("dead_letter_parked_behind".to_owned(), behind.first_event_id)];
+        let extra = vec![(
+            "dead_letter_parked_behind".to_owned(),
+            behind.first_event_id,
+        )];
         self.metrics.parked_events.inc();
         self.send_dead_letter(event, reason, None, extra).await
     }
