@@ -14,7 +14,7 @@
 //! poison event finds its own park and is dead-lettered again as the first,
 //! its successors behind it.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use tokio_postgres::Client;
 
@@ -33,37 +33,44 @@ pub struct Behind {
 /// The session's view of the parked aggregates.
 pub struct Parking {
     sql: Client,
-    /// Every parked aggregate, and perhaps some that redrive unparked since.
-    known: HashSet<(String, String)>,
+    /// Every parked aggregate (ids by type), and perhaps some that redrive
+    /// unparked since. Looked up for every event, without allocating.
+    known: HashMap<String, HashSet<String>>,
 }
 
 impl Parking {
     /// Connects and reads which aggregates are parked.
     pub async fn open(config: &Config) -> Result<Parking> {
         let sql = slot::connect(&config.postgres).await?;
-        let known = sql
+        let mut known: HashMap<String, HashSet<String>> = HashMap::new();
+        let parked = sql
             .query(
                 "SELECT aggregate_type, aggregate_id FROM outbox.parked()",
                 &[],
             )
-            .await?
-            .iter()
-            .map(|row| (row.get(0), row.get(1)))
-            .collect();
+            .await?;
+        for row in parked {
+            known.entry(row.get(0)).or_default().insert(row.get(1));
+        }
         Ok(Parking { sql, known })
     }
 
     /// The event `event` is held back behind, when its aggregate is parked
     /// at or before it.
     pub async fn held_behind(&mut self, event: &OutboxEvent) -> Result<Option<Behind>> {
-        let key = (event.aggregate_type.clone(), event.aggregate_id.clone());
-        if !self.known.contains(&key) {
+        let known = self
+            .known
+            .get(&event.aggregate_type)
+            .is_some_and(|ids| ids.contains(&event.aggregate_id));
+        if !known {
             return Ok(None);
         }
         let behind = self.park_event(event, None).await?;
-        if behind.is_none() && !self.is_parked(&key).await? {
+        if behind.is_none() && !self.is_parked(event).await? {
             // Unparked by redrive since the session read the set.
-            self.known.remove(&key);
+            if let Some(ids) = self.known.get_mut(&event.aggregate_type) {
+                ids.remove(&event.aggregate_id);
+            }
         }
         Ok(behind)
     }
@@ -74,7 +81,9 @@ impl Parking {
         let behind = self.park_event(event, Some(reason)).await?;
         if behind.is_some() {
             self.known
-                .insert((event.aggregate_type.clone(), event.aggregate_id.clone()));
+                .entry(event.aggregate_type.clone())
+                .or_default()
+                .insert(event.aggregate_id.clone());
             tracing::warn!(aggregate_type = %event.aggregate_type, aggregate_id = %event.aggregate_id, aggregate_seq = event.aggregate_seq, "aggregate parked: its later events are held back until outbox-forwarder redrive");
         }
         Ok(behind)
@@ -104,10 +113,13 @@ impl Parking {
         }))
     }
 
-    async fn is_parked(&self, key: &(String, String)) -> Result<bool> {
+    async fn is_parked(&self, event: &OutboxEvent) -> Result<bool> {
         Ok(self
             .sql
-            .query_opt("SELECT 1 FROM outbox.parked($1, $2)", &[&key.0, &key.1])
+            .query_opt(
+                "SELECT 1 FROM outbox.parked($1, $2)",
+                &[&event.aggregate_type, &event.aggregate_id],
+            )
             .await?
             .is_some())
     }
