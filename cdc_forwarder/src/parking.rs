@@ -19,7 +19,7 @@ use std::collections::{HashMap, HashSet};
 use tokio_postgres::Client;
 
 use crate::config::Config;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::slot;
 
@@ -43,12 +43,23 @@ impl Parking {
     pub async fn open(config: &Config) -> Result<Parking> {
         let sql = slot::connect(&config.postgres).await?;
         let mut known: HashMap<String, HashSet<String>> = HashMap::new();
-        let parked = sql
+        let parked = match sql
             .query(
                 "SELECT aggregate_type, aggregate_id FROM outbox.parked()",
                 &[],
             )
-            .await?;
+            .await
+        {
+            Ok(rows) => rows,
+            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) => {
+                return Err(Error::Setup(
+                    "dead letters that keep each aggregate's order need pg_outbox 0.6.0 or later: \
+                     run ALTER EXTENSION pg_outbox UPDATE (or the new SQL edition), or pass --dead-letter-unordered"
+                        .into(),
+                ))
+            }
+            Err(e) => return Err(e.into()),
+        };
         for row in parked {
             known.entry(row.get(0)).or_default().insert(row.get(1));
         }
