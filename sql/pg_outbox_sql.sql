@@ -1071,9 +1071,10 @@ GRANT EXECUTE ON FUNCTION outbox.poll_status() TO outbox_relay;
 
 DO $roles$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_schema_admin') THEN
-        CREATE ROLE outbox_schema_admin NOLOGIN;
-    END IF;
+    -- Another database's install may create it at the same moment.
+    CREATE ROLE outbox_schema_admin NOLOGIN;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN
+    NULL;
 END
 $roles$;
 GRANT USAGE ON SCHEMA outbox TO outbox_schema_admin;
@@ -2023,9 +2024,10 @@ SELECT :'pg_outbox_installed' = 'pg_outbox SQL edition 0.5.0' AS pg_outbox_step 
 
 DO $roles$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_schema_admin') THEN
-        CREATE ROLE outbox_schema_admin NOLOGIN;
-    END IF;
+    -- Another database's install may create it at the same moment.
+    CREATE ROLE outbox_schema_admin NOLOGIN;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN
+    NULL;
 END
 $roles$;
 GRANT USAGE ON SCHEMA outbox TO outbox_schema_admin;

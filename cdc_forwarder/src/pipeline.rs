@@ -66,18 +66,28 @@ pub async fn run(
     // Events Kafka refused at delivery: with a dead-letter topic, the next
     // session sends them there instead of halting again.
     let mut poisoned: HashSet<String> = HashSet::new();
+    // Events refused at delivery once: the next session sends each alone,
+    // since the broker refuses a whole batch for one record too large.
+    let mut suspects: HashSet<String> = HashSet::new();
     let mut failures: u32 = 0;
     loop {
         let started = Instant::now();
-        let outcome = session(&config, &router, &poisoned, &metrics, &mut shutdown).await;
+        let refused = Refused {
+            poisoned: &poisoned,
+            suspects: &suspects,
+        };
+        let outcome = session(&config, &router, refused, &metrics, &mut shutdown).await;
         let error = match outcome {
             Ok(()) => {
                 metrics.set_state(State::Stopped);
                 return Ok(());
             }
             Err(Error::Poison { event_id, reason }) if config.dead_letter_topic.is_some() => {
-                tracing::warn!(event_id = %event_id, reason = %reason, "kafka refused an event at delivery; replaying to dead-letter it");
-                poisoned.insert(event_id);
+                tracing::warn!(event_id = %event_id, reason = %reason, "kafka refused an event at delivery; replaying to send it alone, and to dead-letter it if it is refused again");
+                if !suspects.insert(event_id.clone()) {
+                    // Refused again when it was sent alone.
+                    poisoned.insert(event_id);
+                }
                 continue;
             }
             Err(error) if is_fenced(&error) => Error::Fenced(config.transactional_id()),
@@ -133,7 +143,7 @@ fn backoff(failures: u32, max: Duration) -> Duration {
 async fn session(
     config: &Config,
     router: &Arc<Router>,
-    poisoned: &HashSet<String>,
+    refused: Refused<'_>,
     metrics: &Arc<Metrics>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<()> {
@@ -143,12 +153,12 @@ async fn session(
         ..config.clone()
     };
     if config.source == SourceKind::Poll {
-        return poll_session(config, router, poisoned, metrics, shutdown).await;
+        return poll_session(config, router, refused, metrics, shutdown).await;
     }
     let sql = slot::connect(&config.postgres).await?;
     slot::prepare(&sql, config).await?;
     faults::check("producer_init");
-    let out = publisher(config, router, poisoned, metrics).await?;
+    let out = publisher(config, router, refused, metrics).await?;
     let session = Session {
         config,
         sql,
@@ -182,21 +192,29 @@ async fn session(
     }
 }
 
+/// Events Kafka refused at delivery in earlier sessions (see [`Publisher`]).
+#[derive(Clone, Copy)]
+struct Refused<'a> {
+    poisoned: &'a HashSet<String>,
+    suspects: &'a HashSet<String>,
+}
+
 /// The session's producer behind routing and dead letters, which park
 /// their aggregates unless the operator chose otherwise.
 async fn publisher(
     config: &Config,
     router: &Arc<Router>,
-    poisoned: &HashSet<String>,
+    refused: Refused<'_>,
     metrics: &Arc<Metrics>,
 ) -> Result<Publisher<Producer>> {
     let out = Publisher::new(
         Producer::new(config)?,
         router.clone(),
         config.dead_letter_topic.clone(),
-        poisoned.clone(),
+        refused.poisoned.clone(),
         metrics.clone(),
-    );
+    )
+    .with_suspects(refused.suspects.clone());
     if config.dead_letter_topic.is_some() && config.park_aggregates {
         return Ok(out.with_parking(Parking::open(config).await?));
     }
@@ -208,14 +226,14 @@ async fn publisher(
 async fn poll_session(
     config: &Config,
     router: &Arc<Router>,
-    poisoned: &HashSet<String>,
+    refused: Refused<'_>,
     metrics: &Arc<Metrics>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<()> {
     let sql = slot::connect(&config.postgres).await?;
     poll::prepare(&sql).await?;
     faults::check("producer_init");
-    let out = publisher(config, router, poisoned, metrics).await?;
+    let out = publisher(config, router, refused, metrics).await?;
     let mut sink = AtLeastOnce::new(
         out,
         config.max_in_flight_events,

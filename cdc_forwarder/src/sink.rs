@@ -91,8 +91,13 @@ pub struct Publisher<K> {
     pub kafka: K,
     router: Arc<Router>,
     dead_letter_topic: Option<String>,
-    /// Events Kafka refused at delivery in an earlier session.
+    /// Events Kafka refused at delivery in an earlier session, also when
+    /// sent alone: poison for certain.
     poisoned: HashSet<String>,
+    /// Events Kafka refused at delivery once: the broker refuses a whole
+    /// batch for one record too large, so the event named may only have
+    /// shared a batch with the poison. Sent alone, it tells which it is.
+    suspects: HashSet<String>,
     /// With a dead-letter topic: the parked aggregates (none when the
     /// operator chose unordered dead letters).
     parking: Option<Parking>,
@@ -112,9 +117,16 @@ impl<K: Kafka> Publisher<K> {
             router,
             dead_letter_topic,
             poisoned,
+            suspects: HashSet::new(),
             parking: None,
             metrics,
         }
+    }
+
+    /// Events refused at delivery once, to be sent alone (see `suspects`).
+    pub fn with_suspects(mut self, suspects: HashSet<String>) -> Self {
+        self.suspects = suspects;
+        self
     }
 
     /// Dead letters park their aggregates (see [`crate::parking`]).
@@ -151,7 +163,16 @@ impl<K: Kafka> Publisher<K> {
             Err(e) => return Ok((self.dead_letter(event, e.to_string(), None).await?, size)),
         };
         crate::faults::check("before_produce");
-        let delivery = match self.kafka.send(&event, &route).await {
+        let alone = self.suspects.contains(&event.event_id);
+        if alone {
+            // In a batch of its own: delivered, or refused for itself.
+            self.kafka.flush(DRAIN_TIMEOUT)?;
+        }
+        let sent = self.kafka.send(&event, &route).await;
+        if alone && sent.is_ok() {
+            self.kafka.flush(DRAIN_TIMEOUT)?;
+        }
+        let delivery = match sent {
             Ok(delivery) => delivery,
             Err(Error::Poison { reason, .. }) => {
                 self.dead_letter(event, reason, Some(route.topic)).await?

@@ -24,9 +24,10 @@
 
 DO $roles$
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_schema_admin') THEN
-        CREATE ROLE outbox_schema_admin NOLOGIN;
-    END IF;
+    -- Another database's install may create it at the same moment.
+    CREATE ROLE outbox_schema_admin NOLOGIN;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN
+    NULL;
 END
 $roles$;
 GRANT USAGE ON SCHEMA outbox TO outbox_schema_admin;

@@ -137,7 +137,18 @@ async fn a_poison_event_parks_its_aggregate_and_redrive_delivers_it_in_order_onc
 
     // The dead-letter topic holds a-1 from the poison on, in order: the
     // poison with Kafka's reason, the rest parked behind it.
-    assert_eq!(sequences(&dead.records, "a-1"), [2, 3, 4, 5]);
+    let seen: Vec<(String, i64, String)> = dead
+        .records
+        .iter()
+        .map(|r| {
+            (
+                r.key.clone(),
+                r.seq(),
+                r.header("dead_letter_reason").to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(sequences(&dead.records, "a-1"), [2, 3, 4, 5], "{seen:?}");
     let poison = &ids[&("a-1", 2)];
     let first = by_event(&dead.records)[poison.as_str()];
     assert!(
