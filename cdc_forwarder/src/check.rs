@@ -168,6 +168,9 @@ async fn postgres(config: &Config) -> Vec<Check> {
             Err(e) => Check::fail("privileges", format!("{e}; is the extension installed?")),
         },
     );
+    if config.dead_letter_topic.is_some() && config.park_aggregates {
+        checks.push(parked(&client).await);
+    }
     if !slot_source {
         checks.push(polling(&client).await);
         return checks;
@@ -228,6 +231,28 @@ async fn postgres(config: &Config) -> Vec<Check> {
     });
     checks.push(failover(&client, config).await);
     checks
+}
+
+/// Dead letters that park their aggregates: the functions exist, and what
+/// is parked waits for redrive.
+async fn parked(client: &tokio_postgres::Client) -> Check {
+    match crate::parking::figures(client).await {
+        Ok((0, _)) => Check::ok("dead letters", "none parked; a dead letter parks its aggregate"),
+        Ok((parked, oldest)) => Check::warn(
+            "dead letters",
+            format!(
+                "{parked} aggregates parked behind a dead letter, the oldest for {oldest:.0} s; fix the cause, then run outbox-forwarder redrive"
+            ),
+        ),
+        Err(crate::error::Error::Postgres(e)) => Check::fail(
+            "dead letters",
+            format!(
+                "{}; dead letters that keep order need pg_outbox 0.6.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again), or pass --dead-letter-unordered",
+                crate::error::describe_postgres(&e)
+            ),
+        ),
+        Err(e) => Check::fail("dead letters", e.to_string()),
+    }
 }
 
 /// Polling relays: polling is on, with what is pending.

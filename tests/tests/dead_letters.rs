@@ -293,6 +293,28 @@ async fn an_event_still_refused_stays_parked_and_nothing_of_its_aggregate_is_pub
         .expect("count")
         .get(0);
     assert_eq!(parked, 1);
+    // check says what waits, and what to do.
+    let url = db.forwarder_url();
+    let (_, out, err) = forwarder_command(&[
+        "check",
+        "--postgres-url",
+        &url,
+        "--kafka-bootstrap",
+        &db.stack.kafka,
+        "--slot",
+        &db.slot,
+        "--dead-letter-topic",
+        &dlq,
+    ])
+    .await;
+    let line = out
+        .lines()
+        .find(|l| l.contains("dead letters"))
+        .unwrap_or_else(|| panic!("no dead-letter line: {out}{err}"));
+    assert!(
+        line.contains("1 aggregates parked") && line.contains("outbox-forwarder redrive"),
+        "{line}"
+    );
     forwarder.kill9().await;
     db.drop().await;
 }
