@@ -307,6 +307,11 @@ DECLARE
     k text;
     sub jsonb;
     extra text;
+    ok boolean;
+    more_s jsonb[];
+    more_v jsonb[];
+    more_p text[];
+    more_sp text[];
 BEGIN
     -- One statement for the common call, whose event type has no schema.
     SELECT coalesce((SELECT c.mode FROM outbox.schema_checks c WHERE c.aggregate_type = check_payload.aggregate_type), 'enforce'),
@@ -342,16 +347,32 @@ BEGIN
         END IF;
         CONTINUE walk WHEN jsonb_typeof(s) <> 'object';
         t := jsonb_typeof(v);
-        IF s ? 'type' AND NOT EXISTS (
-               SELECT 1 FROM jsonb_array_elements_text(CASE jsonb_typeof(s->'type') WHEN 'array' THEN s->'type'
-                                                       ELSE jsonb_build_array(s->'type') END) want
-                WHERE want = t OR (want = 'integer' AND t = 'number' AND (v #>> '{}')::numeric % 1 = 0)) THEN
-            rule := 'type'; sp := sp || '/type'; words := format('%s is not of type %s', v, s->'type');
-            EXIT walk;
+        -- Simple expressions where they do (no statement), a query where
+        -- only one will.
+        IF s ? 'type' THEN
+            IF jsonb_typeof(s->'type') = 'string' THEN
+                ok := s->>'type' = t
+                      OR (s->>'type' = 'integer' AND CASE WHEN t = 'number' THEN (v #>> '{}')::numeric % 1 = 0 ELSE false END);
+            ELSE
+                ok := EXISTS (SELECT 1 FROM jsonb_array_elements_text(s->'type') want
+                               WHERE want = t OR (want = 'integer' AND t = 'number' AND (v #>> '{}')::numeric % 1 = 0));
+            END IF;
+            IF NOT ok THEN
+                rule := 'type'; sp := sp || '/type'; words := format('%s is not of type %s', v, s->'type');
+                EXIT walk;
+            END IF;
         END IF;
-        IF s ? 'enum' AND NOT EXISTS (SELECT 1 FROM jsonb_array_elements(s->'enum') x WHERE x = v) THEN
-            rule := 'enum'; sp := sp || '/enum'; words := format('%s is not one of %s', v, s->'enum');
-            EXIT walk;
+        IF s ? 'enum' THEN
+            IF t IN ('object', 'array') THEN
+                ok := EXISTS (SELECT 1 FROM jsonb_array_elements(s->'enum') x WHERE x = v);
+            ELSE
+                -- For a scalar, containment is membership.
+                ok := s->'enum' @> jsonb_build_array(v);
+            END IF;
+            IF NOT ok THEN
+                rule := 'enum'; sp := sp || '/enum'; words := format('%s is not one of %s', v, s->'enum');
+                EXIT walk;
+            END IF;
         END IF;
         IF s ? 'const' AND s->'const' <> v THEN
             rule := 'const'; sp := sp || '/const'; words := format('%s was expected', s->'const');
@@ -398,16 +419,19 @@ BEGIN
             END IF;
             IF s ? 'items' THEN
                 -- Pushed last first, so that the first item is checked first.
-                stack := stack || ARRAY(SELECT s->'items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
-                vals := vals || ARRAY(SELECT x.e FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
-                ptrs := ptrs || ARRAY(SELECT p || '/' || (x.i - 1) FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
-                spaths := spaths || ARRAY(SELECT sp || '/items' FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i) ORDER BY i DESC);
+                SELECT array_agg(s->'items' ORDER BY x.i DESC), array_agg(x.e ORDER BY x.i DESC),
+                       array_agg(p || '/' || (x.i - 1) ORDER BY x.i DESC), array_agg(sp || '/items' ORDER BY x.i DESC)
+                  INTO more_s, more_v, more_p, more_sp
+                  FROM jsonb_array_elements(v) WITH ORDINALITY x(e, i);
+                stack := stack || more_s; vals := vals || more_v; ptrs := ptrs || more_p; spaths := spaths || more_sp;
             END IF;
         ELSIF t = 'object' THEN
-            SELECT r INTO k FROM jsonb_array_elements_text(coalesce(s->'required', '[]')) r WHERE NOT v ? r LIMIT 1;
-            IF FOUND THEN
-                rule := 'required'; sp := sp || '/required'; words := format('%s is a required property', to_jsonb(k));
-                EXIT walk;
+            IF s ? 'required' THEN
+                SELECT r INTO k FROM jsonb_array_elements_text(s->'required') r WHERE NOT v ? r LIMIT 1;
+                IF FOUND THEN
+                    rule := 'required'; sp := sp || '/required'; words := format('%s is a required property', to_jsonb(k));
+                    EXIT walk;
+                END IF;
             END IF;
             IF s ? 'minProperties' AND (SELECT count(*) FROM jsonb_object_keys(v)) < (s->>'minProperties')::numeric THEN
                 rule := 'minProperties'; sp := sp || '/minProperties'; words := format('the object has fewer than %s properties', s->'minProperties');
@@ -426,22 +450,20 @@ BEGIN
                     EXIT walk;
                 END IF;
             ELSIF jsonb_typeof(s->'additionalProperties') = 'object' THEN
-                stack := stack || ARRAY(SELECT s->'additionalProperties' FROM jsonb_each(v) e
-                                         WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
-                vals := vals || ARRAY(SELECT e.value FROM jsonb_each(v) e
-                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
-                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(e.key, '~', '~0'), '/', '~1') FROM jsonb_each(v) e
-                                       WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
-                spaths := spaths || ARRAY(SELECT sp || '/additionalProperties' FROM jsonb_each(v) e
-                                           WHERE NOT coalesce(s->'properties', '{}') ? e.key ORDER BY e.key DESC);
+                SELECT array_agg(s->'additionalProperties' ORDER BY e.key DESC), array_agg(e.value ORDER BY e.key DESC),
+                       array_agg(p || '/' || replace(replace(e.key, '~', '~0'), '/', '~1') ORDER BY e.key DESC),
+                       array_agg(sp || '/additionalProperties' ORDER BY e.key DESC)
+                  INTO more_s, more_v, more_p, more_sp
+                  FROM jsonb_each(v) e WHERE NOT coalesce(s->'properties', '{}') ? e.key;
+                stack := stack || more_s; vals := vals || more_v; ptrs := ptrs || more_p; spaths := spaths || more_sp;
             END IF;
             IF jsonb_typeof(s->'properties') = 'object' THEN
-                stack := stack || ARRAY(SELECT d.value FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
-                vals := vals || ARRAY(SELECT v->d.key FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
-                ptrs := ptrs || ARRAY(SELECT p || '/' || replace(replace(d.key, '~', '~0'), '/', '~1')
-                                        FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
-                spaths := spaths || ARRAY(SELECT sp || '/properties/' || replace(replace(d.key, '~', '~0'), '/', '~1')
-                                            FROM jsonb_each(s->'properties') d WHERE v ? d.key ORDER BY d.key DESC);
+                SELECT array_agg(d.value ORDER BY d.key DESC), array_agg(v->d.key ORDER BY d.key DESC),
+                       array_agg(p || '/' || replace(replace(d.key, '~', '~0'), '/', '~1') ORDER BY d.key DESC),
+                       array_agg(sp || '/properties/' || replace(replace(d.key, '~', '~0'), '/', '~1') ORDER BY d.key DESC)
+                  INTO more_s, more_v, more_p, more_sp
+                  FROM jsonb_each(s->'properties') d WHERE v ? d.key;
+                stack := stack || more_s; vals := vals || more_v; ptrs := ptrs || more_p; spaths := spaths || more_sp;
             END IF;
         END IF;
     END LOOP;
