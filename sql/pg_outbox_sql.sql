@@ -1240,7 +1240,6 @@ DECLARE
     rule text;
     words text;
     k text;
-    sub jsonb;
     extra text;
     ok boolean;
     more_s jsonb[];
@@ -2215,7 +2214,6 @@ DECLARE
     rule text;
     words text;
     k text;
-    sub jsonb;
     extra text;
     ok boolean;
     more_s jsonb[];

@@ -59,10 +59,7 @@ pub async fn run(
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let router = Arc::new(Router::new(config.topic_template.clone()).with_format(
-        config.value_format,
-        format!("pg_outbox/{}/{}", config.postgres.dbname(), config.slot),
-    ));
+    let router = Arc::new(Router::for_config(&config));
     // Events Kafka refused at delivery: with a dead-letter topic, the next
     // session sends them there instead of halting again.
     let mut poisoned: HashSet<String> = HashSet::new();

@@ -79,10 +79,7 @@ pub async fn run(
         Some(format!("{}-redrive", config.transactional_id()));
     let producer = Producer::new(&transactional)?;
     producer.init_transactions().await?;
-    let router = Router::new(config.topic_template.clone()).with_format(
-        config.value_format,
-        format!("pg_outbox/{}/{}", config.postgres.dbname(), config.slot),
-    );
+    let router = Router::for_config(config);
     for (aggregate_type, aggregate_id) in parked {
         if let Some(outcome) =
             redrive_one(&mut sql, &producer, &router, &aggregate_type, &aggregate_id).await?

@@ -53,10 +53,7 @@ pub async fn run(
     let mut plain = config.clone();
     plain.delivery = crate::config::Delivery::AtLeastOnce;
     let producer = Producer::new(&plain)?;
-    let router = Router::new(config.topic_template.clone()).with_format(
-        config.value_format,
-        format!("pg_outbox/{}/{}", config.postgres.dbname(), config.slot),
-    );
+    let router = Router::for_config(config);
     let mut reports = FuturesOrdered::new();
     for row in rows {
         let event = OutboxEvent::from_row(&row);

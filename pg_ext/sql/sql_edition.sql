@@ -305,7 +305,6 @@ DECLARE
     rule text;
     words text;
     k text;
-    sub jsonb;
     extra text;
     ok boolean;
     more_s jsonb[];

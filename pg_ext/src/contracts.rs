@@ -39,8 +39,9 @@ struct Registered {
 
 #[derive(Default)]
 struct Contracts {
-    /// By (aggregate type, event type), in version order.
-    events: HashMap<(String, String), Vec<Registered>>,
+    /// By aggregate type, then event type, in version order: looked up by
+    /// the call's text without copying it.
+    events: HashMap<String, HashMap<String, Vec<Registered>>>,
     modes: HashMap<String, Mode>,
 }
 
@@ -107,7 +108,9 @@ fn load() -> bool {
             };
             contracts
                 .events
-                .entry((aggregate_type, event_type))
+                .entry(aggregate_type)
+                .or_default()
+                .entry(event_type)
                 .or_default()
                 .push(Registered {
                     version,
@@ -171,15 +174,15 @@ pub(crate) unsafe fn check(
     // SAFETY: text datums of the caller's call, as the contract says.
     let (aggregate_type, event_type) = unsafe {
         (
-            String::from_utf8_lossy(crate::emit::bytes(aggregate_type)).into_owned(),
-            String::from_utf8_lossy(crate::emit::bytes(event_type)).into_owned(),
+            String::from_utf8_lossy(crate::emit::bytes(aggregate_type)),
+            String::from_utf8_lossy(crate::emit::bytes(event_type)),
         )
     };
     let problem = CONTRACTS.with(|contracts| {
         let mut contracts = contracts.borrow_mut();
         let mode = contracts
             .modes
-            .get(&aggregate_type)
+            .get(aggregate_type.as_ref())
             .copied()
             .unwrap_or(Mode::Enforce);
         if mode == Mode::Off {
@@ -187,9 +190,10 @@ pub(crate) unsafe fn check(
         }
         let versions = contracts
             .events
-            .get_mut(&(aggregate_type.clone(), event_type.clone()))?;
-        let known: Vec<String> = versions.iter().map(|r| r.version.to_string()).collect();
+            .get_mut(aggregate_type.as_ref())?
+            .get_mut(event_type.as_ref())?;
         let Some(registered) = versions.iter_mut().find(|r| r.version == version) else {
+            let known: Vec<String> = versions.iter().map(|r| r.version.to_string()).collect();
             return Some((
                 mode,
                 Refusal::unregistered_version(&aggregate_type, &event_type, version, &known),
