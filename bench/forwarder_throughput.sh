@@ -12,7 +12,8 @@
 # every slot in turn: time from the slot turning active to its confirmed
 # position reaching the backlog's end.
 # Prints per contender: events/s, ratio to pg_recvlogical, CPU seconds per
-# million events of the contender and of its walsender, and peak RSS; with
+# million events of the contender, of its walsender and of the Kafka broker,
+# and peak RSS; with
 # several rounds, the median of each figure.
 # --tls: every contender connects with sslmode=require (default: disable).
 # --baseline REV: also runs the forwarder built from REV (a worktree under
@@ -50,9 +51,9 @@ cpu_of() { awk -v t="$CLK_TCK" '{printf "%.3f", ($14 + $15) / t}' "/proc/$1/stat
 slot_of() { echo "bench_${1//-/_}"; }
 mode_of() { echo "${1#base-}"; }
 
-# One contender's drain of its slot. Sets RATE CPU WCPU RSS.
+# One contender's drain of its slot. Sets RATE CPU WCPU KCPU RSS.
 drain() {
-    local who=$1 events=$2 end_lsn=$3 slot pid wpid="" wcpu=0 t0 t1
+    local who=$1 events=$2 end_lsn=$3 slot pid wpid="" wcpu=0 t0 t1 kpid k0
     slot=$(slot_of "$who")
     if [ "$who" = raw ]; then
         PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=$SSLMODE /usr/bin/time -f '%U %S %M' -o /tmp/bench-raw.time \
@@ -68,6 +69,7 @@ drain() {
         sleep 0.02
     done
     TLS_IN_USE=$(psql_admin -d $DB -c "SELECT coalesce(bool_or(ssl)::text, '?') FROM pg_stat_ssl WHERE pid = $wpid")
+    kpid=$(pgrep -f kafka.Kafka | head -1); k0=$(cpu_of "$kpid")
     t0=$(now)
     # pg_recvlogical stops by itself at the end; a forwarder when its slot
     # has confirmed the end.
@@ -78,6 +80,7 @@ drain() {
         sleep 0.05
     done
     t1=$(now)
+    KCPU=$(echo "$(cpu_of "$kpid") - $k0" | bc)
     RATE=$(echo "scale=0; $events / ($t1 - $t0)" | bc)
     WCPU=$wcpu
     if [ "$who" = raw ]; then
@@ -90,7 +93,20 @@ drain() {
     fi
 }
 
-declare -A rate cpu wcpu rss
+# Drains contender $1's slot of the current shape's backlog and records its figures.
+drain_one() {
+    local who=$1 key="$shape $1"
+    say "$shape: $who"
+    drain "$who" "$EVENTS" "$end_lsn"
+    rate[$key]="${rate[$key]:-} $RATE"
+    cpu[$key]="${cpu[$key]:-} $(echo "scale=2; $CPU * 1000000 / $EVENTS" | bc)"
+    wcpu[$key]="${wcpu[$key]:-} $(echo "scale=2; $WCPU * 1000000 / $EVENTS" | bc)"
+    kcpu[$key]="${kcpu[$key]:-} $(echo "scale=2; $KCPU * 1000000 / $EVENTS" | bc)"
+    rss[$key]="${rss[$key]:-} $RSS"
+    transport=$TLS_IN_USE
+}
+
+declare -A rate cpu wcpu kcpu rss
 for round in $(seq 1 "$ROUNDS"); do
   for shape in $SHAPES; do
     EVENTS=${shape%x*}; PER_TXN=${shape#*x}; TXNS=$(( EVENTS / PER_TXN ))
@@ -123,15 +139,13 @@ END
 \$\$;
 SQL
     end_lsn=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
-    for who in $CONTENDERS; do
-        say "$shape: $who"
-        drain "$who" "$EVENTS" "$end_lsn"
-        key="$shape $who"
-        rate[$key]="${rate[$key]:-} $RATE"
-        cpu[$key]="${cpu[$key]:-} $(echo "scale=2; $CPU * 1000000 / $EVENTS" | bc)"
-        wcpu[$key]="${wcpu[$key]:-} $(echo "scale=2; $WCPU * 1000000 / $EVENTS" | bc)"
-        rss[$key]="${rss[$key]:-} $RSS"
-        transport=$TLS_IN_USE
+    # pg_recvlogical first, then the forwarders in an order that turns each
+    # round, so none is always drained right after a backlog is written.
+    set -- $CONTENDERS; shift; order=("$@")
+    for i in "${!order[@]}"; do
+        who=${order[$(( (i + round - 1) % ${#order[@]} ))]}
+        [ "$i" -gt 0 ] || drain_one raw
+        drain_one "$who"
     done
   done
 done
@@ -143,12 +157,12 @@ printf '\nforwarder at %s; %s round(s), medians; replication over TLS: %s (sslmo
 for shape in $SHAPES; do
     raw=$(echo "${rate[$shape raw]}" | median)
     alo=$(echo "${rate[$shape at-least-once]}" | median)
-    printf '\n%-30s %10s %8s %8s %12s %12s %8s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "RSS MB"
+    printf '\n%-30s %10s %8s %8s %12s %12s %8s %8s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "broker" "RSS MB"
     for who in $CONTENDERS; do
         r=$(echo "${rate[$shape $who]}" | median)
-        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s\n' "$who" "$r" \
+        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s %8s\n' "$who" "$r" \
             "$(echo "scale=3; $r / $raw" | bc)" "$(echo "scale=3; $r / $alo" | bc)" \
-            "$(echo "${cpu[$shape $who]}" | median)" "$(echo "${wcpu[$shape $who]}" | median)" \
+            "$(echo "${cpu[$shape $who]}" | median)" "$(echo "${wcpu[$shape $who]}" | median)" "$(echo "${kcpu[$shape $who]}" | median)" \
             "$(echo "${rss[$shape $who]}" | median)"
     done
 done
