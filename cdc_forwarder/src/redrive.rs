@@ -162,9 +162,7 @@ async fn publish(producer: &Producer, router: &Router, events: &[OutboxEvent]) -
             event_id: event.event_id.clone(),
             reason: e.to_string(),
         })?;
-        route
-            .headers
-            .push((REDRIVEN_HEADER.to_owned(), "true".to_owned()));
+        route.headers.push((REDRIVEN_HEADER.into(), "true".into()));
         deliveries.push(Kafka::send(producer, event, &route).await?);
     }
     try_join_all(deliveries).await?;

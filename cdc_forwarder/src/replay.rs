@@ -60,9 +60,7 @@ pub async fn run(
         let mut route = router
             .route(&event)
             .map_err(|e| Error::from((event.event_id.clone(), e)))?;
-        route
-            .headers
-            .push((REPLAYED_HEADER.to_owned(), "true".to_owned()));
+        route.headers.push((REPLAYED_HEADER.into(), "true".into()));
         reports.push_back(producer.send(&event, &route).await?);
     }
     let mut sent = 0;

@@ -1,5 +1,7 @@
 //! Where an event goes in Kafka: topic, key, headers and value.
 
+use std::borrow::Cow;
+
 use crate::event::OutboxEvent;
 
 /// Default topic template: one topic per aggregate type.
@@ -26,21 +28,22 @@ pub enum RouteError {
 
 /// A record ready to be produced.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Route {
-    pub topic: String,
+/// It borrows what it can from its event: routing runs once per event.
+pub struct Route<'e> {
+    pub topic: Cow<'e, str>,
     /// Header name and value pairs: the forwarder's own, then the user's.
-    pub headers: Vec<(String, String)>,
+    pub headers: Vec<(Cow<'e, str>, Cow<'e, str>)>,
     /// The record value when it is not the payload itself (the envelope).
     pub value: Option<Vec<u8>>,
 }
 
-impl Route {
+impl Route<'_> {
     /// The value of header `name`, if set.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_str())
+            .map(|(_, v)| v.as_ref())
     }
 }
 
@@ -90,33 +93,40 @@ impl Router {
         self
     }
 
-    pub fn route(&self, event: &OutboxEvent) -> Result<Route, RouteError> {
-        let topic = match &event.topic {
-            Some(topic) => topic.clone(),
+    pub fn route<'e>(&self, event: &'e OutboxEvent) -> Result<Route<'e>, RouteError> {
+        let topic: Cow<'e, str> = match &event.topic {
+            Some(topic) => topic.into(),
             None => self
                 .topic_template
-                .replace("{aggregate_type}", &event.aggregate_type),
+                .replace("{aggregate_type}", &event.aggregate_type)
+                .into(),
         };
         if !is_valid_topic(&topic) {
-            return Err(RouteError::InvalidTopic { topic });
+            return Err(RouteError::InvalidTopic {
+                topic: topic.into_owned(),
+            });
         }
-        let mut headers = vec![
-            (header::EVENT_ID.to_owned(), event.event_id.clone()),
-            (header::EVENT_TYPE.to_owned(), event.event_type.clone()),
+        let mut headers: Vec<(Cow<'e, str>, Cow<'e, str>)> = Vec::with_capacity(8);
+        headers.extend([
+            (header::EVENT_ID.into(), event.event_id.as_str().into()),
+            (header::EVENT_TYPE.into(), event.event_type.as_str().into()),
             (
-                header::AGGREGATE_TYPE.to_owned(),
-                event.aggregate_type.clone(),
+                header::AGGREGATE_TYPE.into(),
+                event.aggregate_type.as_str().into(),
             ),
             (
-                header::AGGREGATE_SEQ.to_owned(),
-                event.aggregate_seq.to_string(),
+                header::AGGREGATE_SEQ.into(),
+                event.aggregate_seq.to_string().into(),
             ),
             (
-                header::SCHEMA_VERSION.to_owned(),
-                event.schema_version.to_string(),
+                header::SCHEMA_VERSION.into(),
+                event.schema_version.to_string().into(),
             ),
-            (header::OCCURRED_AT.to_owned(), event.occurred_at.clone()),
-        ];
+            (
+                header::OCCURRED_AT.into(),
+                event.occurred_at.as_str().into(),
+            ),
+        ]);
         let mut user = serde_json::Map::new();
         if let Some(raw) = &event.headers {
             user = serde_json::from_slice(raw).map_err(|_| RouteError::InvalidHeaders)?;
@@ -124,7 +134,7 @@ impl Router {
                 let serde_json::Value::String(value) = value else {
                     return Err(RouteError::InvalidHeaders);
                 };
-                headers.push((name.clone(), value.clone()));
+                headers.push((name.clone().into(), value.clone().into()));
             }
         }
         let value = match self.format {
@@ -132,19 +142,22 @@ impl Router {
             ValueFormat::Envelope => Some(envelope(event, &user)),
             ValueFormat::CloudEvents => {
                 headers.extend([
-                    ("ce_specversion".to_owned(), "1.0".to_owned()),
-                    ("ce_id".to_owned(), event.event_id.clone()),
-                    ("ce_source".to_owned(), self.source.clone()),
-                    ("ce_type".to_owned(), event.event_type.clone()),
-                    ("ce_subject".to_owned(), event.aggregate_id.clone()),
-                    ("ce_time".to_owned(), rfc3339(&event.occurred_at)),
-                    ("ce_sequence".to_owned(), event.aggregate_seq.to_string()),
-                    ("ce_aggregatetype".to_owned(), event.aggregate_type.clone()),
+                    ("ce_specversion".into(), "1.0".into()),
+                    ("ce_id".into(), event.event_id.as_str().into()),
+                    ("ce_source".into(), self.source.clone().into()),
+                    ("ce_type".into(), event.event_type.as_str().into()),
+                    ("ce_subject".into(), event.aggregate_id.as_str().into()),
+                    ("ce_time".into(), rfc3339(&event.occurred_at).into()),
+                    ("ce_sequence".into(), event.aggregate_seq.to_string().into()),
                     (
-                        "ce_dataschemaversion".to_owned(),
-                        event.schema_version.to_string(),
+                        "ce_aggregatetype".into(),
+                        event.aggregate_type.as_str().into(),
                     ),
-                    ("content-type".to_owned(), "application/json".to_owned()),
+                    (
+                        "ce_dataschemaversion".into(),
+                        event.schema_version.to_string().into(),
+                    ),
+                    ("content-type".into(), "application/json".into()),
                 ]);
                 None
             }
@@ -221,8 +234,9 @@ mod tests {
 
     #[test]
     fn template_names_the_topic_and_headers_carry_the_identity() {
+        let event = event();
         let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
-            .route(&event())
+            .route(&event)
             .expect("routes");
         assert_eq!(route.topic, "outbox.order");
         assert_eq!(route.header(header::AGGREGATE_SEQ), Some("3"));
@@ -268,9 +282,10 @@ mod tests {
 
     #[test]
     fn cloudevents_binary_mode_sets_the_required_attributes() {
+        let event = event();
         let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
             .with_format(ValueFormat::CloudEvents, "pg_outbox/app")
-            .route(&event())
+            .route(&event)
             .expect("routes");
         assert_eq!(route.header("ce_specversion"), Some("1.0"));
         assert_eq!(
