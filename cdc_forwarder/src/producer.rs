@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
+use rdkafka::types::RDKafkaRespErr;
 
 use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
@@ -22,7 +23,6 @@ use crate::routing::Route;
 
 /// How long a blocking transactional call may take.
 const TXN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
-const TXN_CALL_TIMEOUT_MS: i32 = 60_000;
 
 #[derive(Clone)]
 pub struct Producer {
@@ -115,17 +115,9 @@ impl Producer {
     pub async fn commit_transaction(&self) -> Result<()> {
         self.blocking(|p| {
             // commit_transaction flushes first, through rdkafka's flush,
-            // which waits in steps of 100 ms while anything is in flight (it
-            // polls for the reports the polling thread serves). librdkafka's
-            // own flush waits for the last acknowledgement on a condition
-            // variable and sends what is waiting out linger.ms at once; the
-            // flush inside commit_transaction then returns at once.
-            #[allow(unsafe_code)]
-            // SAFETY: the handle outlives the call (`p` holds it), and
-            // librdkafka's flush may be called from any thread.
-            unsafe {
-                rdkafka::bindings::rd_kafka_flush(p.client().native_ptr(), TXN_CALL_TIMEOUT_MS);
-            }
+            // which waits in steps of 100 ms (see `flush_now`); after this
+            // one it returns at once.
+            flush_now(p, TXN_CALL_TIMEOUT)?;
             p.commit_transaction(TXN_CALL_TIMEOUT)
         })
         .await
@@ -149,8 +141,25 @@ impl Producer {
 
     /// Waits for queued records to be delivered, up to `timeout`.
     pub fn flush(&self, timeout: Duration) -> Result<()> {
-        self.inner.flush(timeout)?;
+        flush_now(&self.inner, timeout)?;
         Ok(())
+    }
+}
+
+/// Waits until every queued record is acknowledged or refused, up to
+/// `timeout`, sending at once what waits out `linger.ms`. rdkafka's own
+/// flush polls for the reports in steps of 100 ms while the producer's
+/// polling thread serves them, so it returns up to 100 ms late; librdkafka's
+/// waits on a condition variable.
+fn flush_now(producer: &FutureProducer, timeout: Duration) -> KafkaResult<()> {
+    let millis = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    #[allow(unsafe_code)]
+    // SAFETY: the handle is valid while `producer` lives, and librdkafka's
+    // flush may be called from any thread.
+    let code = unsafe { rdkafka::bindings::rd_kafka_flush(producer.client().native_ptr(), millis) };
+    match code {
+        RDKafkaRespErr::RD_KAFKA_RESP_ERR_NO_ERROR => Ok(()),
+        code => Err(KafkaError::Flush(code.into())),
     }
 }
 
