@@ -54,7 +54,7 @@ impl Producer {
 
     /// Enqueues one event; the returned future resolves with its delivery report.
     /// A full local queue is backpressure, not an error: wait and try again.
-    pub async fn send(&self, event: &OutboxEvent, route: &Route<'_>) -> Result<DeliveryFuture> {
+    pub async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<DeliveryFuture> {
         let mut headers = OwnedHeaders::new_with_capacity(route.headers.len());
         for (key, value) in &route.headers {
             headers = headers.insert(Header {
@@ -172,7 +172,7 @@ pub trait Kafka {
     type Delivery: Future<Output = Result<()>> + Unpin + 'static;
 
     /// Enqueues an event as routed.
-    async fn send(&self, event: &OutboxEvent, route: &Route<'_>) -> Result<Self::Delivery>;
+    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery>;
     /// Enqueues a record that is not an event (the offset record).
     async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<Self::Delivery>;
     /// Registers the transactional id, fencing older producers of it.
@@ -190,7 +190,7 @@ pub trait Kafka {
 impl Kafka for Producer {
     type Delivery = BoxFuture<'static, Result<()>>;
 
-    async fn send(&self, event: &OutboxEvent, route: &Route<'_>) -> Result<Self::Delivery> {
+    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery> {
         let delivery = Producer::send(self, event, route).await?;
         Ok(classify(delivery, &event.event_id))
     }

@@ -162,7 +162,9 @@ async fn publish(producer: &Producer, router: &Router, events: &[OutboxEvent]) -
             event_id: event.event_id.clone(),
             reason: e.to_string(),
         })?;
-        route.headers.push((REDRIVEN_HEADER.into(), "true".into()));
+        route
+            .headers
+            .push((REDRIVEN_HEADER.to_owned(), "true".to_owned()));
         deliveries.push(Kafka::send(producer, event, &route).await?);
     }
     try_join_all(deliveries).await?;

@@ -60,7 +60,9 @@ pub async fn run(
         let mut route = router
             .route(&event)
             .map_err(|e| Error::from((event.event_id.clone(), e)))?;
-        route.headers.push((REPLAYED_HEADER.into(), "true".into()));
+        route
+            .headers
+            .push((REPLAYED_HEADER.to_owned(), "true".to_owned()));
         reports.push_back(producer.send(&event, &route).await?);
     }
     let mut sent = 0;

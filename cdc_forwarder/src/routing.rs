@@ -1,7 +1,5 @@
 //! Where an event goes in Kafka: topic, key, headers and value.
 
-use std::borrow::Cow;
-
 use crate::event::OutboxEvent;
 
 /// Default topic template: one topic per aggregate type.
@@ -28,22 +26,21 @@ pub enum RouteError {
 
 /// A record ready to be produced.
 #[derive(Debug, Clone, PartialEq)]
-/// It borrows what it can from its event: routing runs once per event.
-pub struct Route<'e> {
-    pub topic: Cow<'e, str>,
+pub struct Route {
+    pub topic: String,
     /// Header name and value pairs: the forwarder's own, then the user's.
-    pub headers: Vec<(Cow<'e, str>, Cow<'e, str>)>,
+    pub headers: Vec<(String, String)>,
     /// The record value when it is not the payload itself (the envelope).
     pub value: Option<Vec<u8>>,
 }
 
-impl Route<'_> {
+impl Route {
     /// The value of header `name`, if set.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
             .iter()
             .find(|(n, _)| n == name)
-            .map(|(_, v)| v.as_ref())
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -93,40 +90,33 @@ impl Router {
         self
     }
 
-    pub fn route<'e>(&self, event: &'e OutboxEvent) -> Result<Route<'e>, RouteError> {
-        let topic: Cow<'e, str> = match &event.topic {
-            Some(topic) => topic.into(),
+    pub fn route(&self, event: &OutboxEvent) -> Result<Route, RouteError> {
+        let topic = match &event.topic {
+            Some(topic) => topic.clone(),
             None => self
                 .topic_template
-                .replace("{aggregate_type}", &event.aggregate_type)
-                .into(),
+                .replace("{aggregate_type}", &event.aggregate_type),
         };
         if !is_valid_topic(&topic) {
-            return Err(RouteError::InvalidTopic {
-                topic: topic.into_owned(),
-            });
+            return Err(RouteError::InvalidTopic { topic });
         }
-        let mut headers: Vec<(Cow<'e, str>, Cow<'e, str>)> = Vec::with_capacity(8);
-        headers.extend([
-            (header::EVENT_ID.into(), event.event_id.as_str().into()),
-            (header::EVENT_TYPE.into(), event.event_type.as_str().into()),
+        let mut headers = vec![
+            (header::EVENT_ID.to_owned(), event.event_id.clone()),
+            (header::EVENT_TYPE.to_owned(), event.event_type.clone()),
             (
-                header::AGGREGATE_TYPE.into(),
-                event.aggregate_type.as_str().into(),
+                header::AGGREGATE_TYPE.to_owned(),
+                event.aggregate_type.clone(),
             ),
             (
-                header::AGGREGATE_SEQ.into(),
-                event.aggregate_seq.to_string().into(),
+                header::AGGREGATE_SEQ.to_owned(),
+                event.aggregate_seq.to_string(),
             ),
             (
-                header::SCHEMA_VERSION.into(),
-                event.schema_version.to_string().into(),
+                header::SCHEMA_VERSION.to_owned(),
+                event.schema_version.to_string(),
             ),
-            (
-                header::OCCURRED_AT.into(),
-                event.occurred_at.as_str().into(),
-            ),
-        ]);
+            (header::OCCURRED_AT.to_owned(), event.occurred_at.clone()),
+        ];
         let mut user = serde_json::Map::new();
         if let Some(raw) = &event.headers {
             user = serde_json::from_slice(raw).map_err(|_| RouteError::InvalidHeaders)?;
@@ -134,7 +124,7 @@ impl Router {
                 let serde_json::Value::String(value) = value else {
                     return Err(RouteError::InvalidHeaders);
                 };
-                headers.push((name.clone().into(), value.clone().into()));
+                headers.push((name.clone(), value.clone()));
             }
         }
         let value = match self.format {
@@ -142,22 +132,19 @@ impl Router {
             ValueFormat::Envelope => Some(envelope(event, &user)),
             ValueFormat::CloudEvents => {
                 headers.extend([
-                    ("ce_specversion".into(), "1.0".into()),
-                    ("ce_id".into(), event.event_id.as_str().into()),
-                    ("ce_source".into(), self.source.clone().into()),
-                    ("ce_type".into(), event.event_type.as_str().into()),
-                    ("ce_subject".into(), event.aggregate_id.as_str().into()),
-                    ("ce_time".into(), rfc3339(&event.occurred_at).into()),
-                    ("ce_sequence".into(), event.aggregate_seq.to_string().into()),
+                    ("ce_specversion".to_owned(), "1.0".to_owned()),
+                    ("ce_id".to_owned(), event.event_id.clone()),
+                    ("ce_source".to_owned(), self.source.clone()),
+                    ("ce_type".to_owned(), event.event_type.clone()),
+                    ("ce_subject".to_owned(), event.aggregate_id.clone()),
+                    ("ce_time".to_owned(), rfc3339(&event.occurred_at)),
+                    ("ce_sequence".to_owned(), event.aggregate_seq.to_string()),
+                    ("ce_aggregatetype".to_owned(), event.aggregate_type.clone()),
                     (
-                        "ce_aggregatetype".into(),
-                        event.aggregate_type.as_str().into(),
+                        "ce_dataschemaversion".to_owned(),
+                        event.schema_version.to_string(),
                     ),
-                    (
-                        "ce_dataschemaversion".into(),
-                        event.schema_version.to_string().into(),
-                    ),
-                    ("content-type".into(), "application/json".into()),
+                    ("content-type".to_owned(), "application/json".to_owned()),
                 ]);
                 None
             }
@@ -234,9 +221,8 @@ mod tests {
 
     #[test]
     fn template_names_the_topic_and_headers_carry_the_identity() {
-        let event = event();
         let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
-            .route(&event)
+            .route(&event())
             .expect("routes");
         assert_eq!(route.topic, "outbox.order");
         assert_eq!(route.header(header::AGGREGATE_SEQ), Some("3"));
@@ -282,10 +268,9 @@ mod tests {
 
     #[test]
     fn cloudevents_binary_mode_sets_the_required_attributes() {
-        let event = event();
         let route = Router::new(DEFAULT_TOPIC_TEMPLATE)
             .with_format(ValueFormat::CloudEvents, "pg_outbox/app")
-            .route(&event)
+            .route(&event())
             .expect("routes");
         assert_eq!(route.header("ce_specversion"), Some("1.0"));
         assert_eq!(

@@ -18,7 +18,6 @@
 mod at_least_once;
 pub mod transactional;
 
-use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Arc;
 
@@ -176,8 +175,7 @@ impl<K: Kafka> Publisher<K> {
         let delivery = match sent {
             Ok(delivery) => delivery,
             Err(Error::Poison { reason, .. }) => {
-                let topic = route.topic.into_owned();
-                self.dead_letter(event, reason, Some(topic)).await?
+                self.dead_letter(event, reason, Some(route.topic)).await?
             }
             Err(e) => return Err(e),
         };
@@ -239,28 +237,25 @@ impl<K: Kafka> Publisher<K> {
                 reason,
             });
         };
-        let mut headers: Vec<(Cow<str>, Cow<str>)> = vec![
-            ("event_id".into(), event.event_id.clone().into()),
-            ("event_type".into(), event.event_type.clone().into()),
-            ("aggregate_type".into(), event.aggregate_type.clone().into()),
-            (
-                "aggregate_seq".into(),
-                event.aggregate_seq.to_string().into(),
-            ),
-            ("dead_letter_reason".into(), reason.clone().into()),
+        let mut headers = vec![
+            ("event_id".to_owned(), event.event_id.clone()),
+            ("event_type".to_owned(), event.event_type.clone()),
+            ("aggregate_type".to_owned(), event.aggregate_type.clone()),
+            ("aggregate_seq".to_owned(), event.aggregate_seq.to_string()),
+            ("dead_letter_reason".to_owned(), reason.clone()),
         ];
         if let Some(topic) = topic.or_else(|| event.topic.clone()) {
-            headers.push(("dead_letter_topic".into(), topic.into()));
+            headers.push(("dead_letter_topic".to_owned(), topic));
         }
-        headers.extend(extra.into_iter().map(|(k, v)| (k.into(), v.into())));
+        headers.extend(extra);
         if event.payload.len() > DEAD_LETTER_MAX_PAYLOAD {
             // Too large for Kafka: the payload stays in outbox.events.
-            headers.push(("dead_letter_payload_dropped".into(), "true".into()));
+            headers.push(("dead_letter_payload_dropped".to_owned(), "true".to_owned()));
             event.payload = bytes::Bytes::new();
         }
         event.headers = None;
         let route = Route {
-            topic: dead_letter_topic.as_str().into(),
+            topic: dead_letter_topic.clone(),
             headers,
             value: None,
         };

@@ -195,7 +195,7 @@ impl MemoryKafka {
 impl Kafka for MemoryKafka {
     type Delivery = BoxFuture<'static, Result<()>>;
 
-    async fn send(&self, event: &OutboxEvent, route: &Route<'_>) -> Result<Self::Delivery> {
+    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery> {
         Ok(self.enqueue(&route.topic, &event.event_id))
     }
 
