@@ -28,6 +28,8 @@ forwarder_contenders() {
     local fwd=$ROOT/target/release/outbox-forwarder rev tree
     BIN=([at-least-once]=$fwd [exactly-once]=$fwd)
     CONTENDERS="at-least-once exactly-once"
+    # Before the baseline's build, which takes minutes: HEAD may move meanwhile.
+    MEASURED="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- cdc_forwarder || echo '+changes')"
     if [ -n "${1:-}" ]; then
         rev=$(git rev-parse --short "$1")
         tree=$ROOT/target/baseline-$rev
@@ -40,5 +42,4 @@ forwarder_contenders() {
         BIN[base-exactly-once]=$tree/target/release/outbox-forwarder
         CONTENDERS="$CONTENDERS base-at-least-once base-exactly-once"
     fi
-    MEASURED="$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- cdc_forwarder || echo '+changes')"
 }
