@@ -13,8 +13,7 @@
 # position reaching the backlog's end.
 # Prints per contender: events/s, ratio to pg_recvlogical, CPU seconds per
 # million events of the contender, of its walsender and of the Kafka broker,
-# and peak RSS; with
-# several rounds, the median of each figure.
+# and peak RSS; with several rounds, the median of each figure.
 # --tls: every contender connects with sslmode=require (default: disable).
 # --baseline REV: also runs the forwarder built from REV (a worktree under
 # target/), so a change is measured with and without it in the same run.
@@ -39,7 +38,10 @@ eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 cargo build -q --release -p cdc_forwarder
 . "$ROOT/bench/harness.sh"
 forwarder_contenders "$BASELINE"
+FORWARDERS=($CONTENDERS)
 CONTENDERS="raw $CONTENDERS"
+# The broker the stack started (scripts/stack keeps its pid).
+BROKER_PID=$(cat "$STACK_DIR/kafka/broker.pid")
 
 DB=bench_tp
 CLK_TCK=$(getconf CLK_TCK)
@@ -53,7 +55,7 @@ mode_of() { echo "${1#base-}"; }
 
 # One contender's drain of its slot. Sets RATE CPU WCPU KCPU RSS.
 drain() {
-    local who=$1 events=$2 end_lsn=$3 slot pid wpid="" wcpu=0 t0 t1 kpid k0
+    local who=$1 events=$2 end_lsn=$3 slot pid wpid="" wcpu=0 t0 t1 k0
     slot=$(slot_of "$who")
     if [ "$who" = raw ]; then
         PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=$SSLMODE /usr/bin/time -f '%U %S %M' -o /tmp/bench-raw.time \
@@ -69,7 +71,7 @@ drain() {
         sleep 0.02
     done
     TLS_IN_USE=$(psql_admin -d $DB -c "SELECT coalesce(bool_or(ssl)::text, '?') FROM pg_stat_ssl WHERE pid = $wpid")
-    kpid=$(pgrep -f kafka.Kafka | head -1); k0=$(cpu_of "$kpid")
+    k0=$(cpu_of "$BROKER_PID")
     t0=$(now)
     # pg_recvlogical stops by itself at the end; a forwarder when its slot
     # has confirmed the end.
@@ -80,7 +82,7 @@ drain() {
         sleep 0.05
     done
     t1=$(now)
-    KCPU=$(echo "$(cpu_of "$kpid") - $k0" | bc)
+    KCPU=$(echo "$(cpu_of "$BROKER_PID") - $k0" | bc)
     RATE=$(echo "scale=0; $events / ($t1 - $t0)" | bc)
     WCPU=$wcpu
     if [ "$who" = raw ]; then
@@ -141,11 +143,9 @@ SQL
     end_lsn=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
     # pg_recvlogical first, then the forwarders in an order that turns each
     # round, so none is always drained right after a backlog is written.
-    set -- $CONTENDERS; shift; order=("$@")
-    for i in "${!order[@]}"; do
-        who=${order[$(( (i + round - 1) % ${#order[@]} ))]}
-        [ "$i" -gt 0 ] || drain_one raw
-        drain_one "$who"
+    drain_one raw
+    for i in "${!FORWARDERS[@]}"; do
+        drain_one "${FORWARDERS[$(( (i + round - 1) % ${#FORWARDERS[@]} ))]}"
     done
   done
 done
