@@ -6,27 +6,87 @@
 //! The transactional calls block; they run on tokio's blocking pool, never on
 //! the async workers.
 
-use std::future::Future;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use rdkafka::client::ClientContext;
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
+use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{
+    BaseRecord, DeliveryResult, Producer as _, ProducerContext, ThreadedProducer,
+};
 use rdkafka::types::RDKafkaRespErr;
+use tokio::sync::mpsc;
 
 use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
-use crate::routing::Route;
+use crate::routing::{header, Route};
 
 /// How long a blocking transactional call may take.
 const TXN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// The most delivery reports taken at once.
+const REPORTS_AT_ONCE: usize = 1024;
 
-#[derive(Clone)]
+/// What a record was sent with, to know its delivery report by.
+pub type Tag = usize;
+/// A delivery report: the record's tag and Kafka's answer. A refusal for
+/// good is [`Error::Poison`] naming the event.
+pub type Report = (Tag, Result<()>);
+/// The tag of a record whose report nobody waits for.
+const UNREPORTED: Tag = Tag::MAX;
+
 pub struct Producer {
-    inner: FutureProducer,
+    inner: ThreadedProducer<Reporter>,
+    reports: mpsc::UnboundedReceiver<Report>,
+}
+
+/// Hands librdkafka's delivery reports, on its polling thread, to the
+/// producer's owner: a tag and an outcome, no future or allocation per record.
+struct Reporter {
+    reports: mpsc::UnboundedSender<Report>,
+}
+
+impl ClientContext for Reporter {}
+
+impl ProducerContext for Reporter {
+    type DeliveryOpaque = Tag;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, tag: Tag) {
+        if tag == UNREPORTED {
+            return;
+        }
+        let outcome = match result {
+            Ok(_) => Ok(()),
+            Err((error, message)) => Err(refusal(error, message)),
+        };
+        // The owner gone, nobody waits for it.
+        let _ = self.reports.send((tag, outcome));
+    }
+}
+
+/// Kafka's refusal of a record as an error, naming the event by the record's
+/// `event_id` header when the refusal is for good.
+fn refusal(error: &KafkaError, message: &BorrowedMessage<'_>) -> Error {
+    match error.rdkafka_error_code() {
+        Some(code) if is_poison(code) => Error::Poison {
+            event_id: message
+                .headers()
+                .and_then(|headers| {
+                    headers
+                        .iter()
+                        .find(|h| h.key == header::EVENT_ID)
+                        .and_then(|h| h.value)
+                })
+                .map_or_else(
+                    || "a record without an event_id header".to_owned(),
+                    |id| String::from_utf8_lossy(id).into_owned(),
+                ),
+            reason: format!("kafka refused it: {code}"),
+        },
+        _ => Error::Kafka(error.clone()),
+    }
 }
 
 impl Producer {
@@ -48,13 +108,15 @@ impl Producer {
                     config.transaction_timeout.as_millis().to_string(),
                 );
         }
-        let inner: FutureProducer = client.create()?;
-        Ok(Producer { inner })
+        let (sender, reports) = mpsc::unbounded_channel();
+        let inner = client.create_with_context(Reporter { reports: sender })?;
+        Ok(Producer { inner, reports })
     }
 
-    /// Enqueues one event; the returned future resolves with its delivery report.
-    /// A full local queue is backpressure, not an error: wait and try again.
-    pub async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<DeliveryFuture> {
+    /// Enqueues one event; its delivery report comes from
+    /// [`Producer::reports`] with `tag`. A full local queue is backpressure,
+    /// not an error: wait and try again.
+    pub async fn send(&self, event: &OutboxEvent, route: &Route, tag: Tag) -> Result<()> {
         let mut headers = OwnedHeaders::new_with_capacity(route.headers.len());
         for (key, value) in &route.headers {
             headers = headers.insert(Header {
@@ -62,29 +124,26 @@ impl Producer {
                 value: Some(value.as_bytes()),
             });
         }
-        let record = FutureRecord::to(&route.topic)
+        let record = BaseRecord::with_opaque_to(&route.topic, tag)
             .key(event.aggregate_id.as_bytes())
             .payload(route.value.as_deref().unwrap_or(&event.payload[..]))
             .headers(headers);
         self.enqueue(record, &event.event_id).await
     }
 
-    /// Enqueues a record that is not an event (the offset record).
-    pub async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<DeliveryFuture> {
-        let record = FutureRecord::to(topic)
+    /// Enqueues a record that is not an event (the offset record); nobody
+    /// waits for its report.
+    pub async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<()> {
+        let record = BaseRecord::with_opaque_to(topic, UNREPORTED)
             .key(key.as_bytes())
             .payload(value.as_bytes());
         self.enqueue(record, "offset record").await
     }
 
-    async fn enqueue(
-        &self,
-        mut record: FutureRecord<'_, [u8], [u8]>,
-        what: &str,
-    ) -> Result<DeliveryFuture> {
+    async fn enqueue(&self, mut record: BaseRecord<'_, [u8], [u8], Tag>, what: &str) -> Result<()> {
         loop {
-            match self.inner.send_result(record) {
-                Ok(delivery) => return Ok(delivery),
+            match self.inner.send(record) {
+                Ok(()) => return Ok(()),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
                     record = back;
                     tokio::time::sleep(Duration::from_millis(5)).await;
@@ -100,43 +159,54 @@ impl Producer {
         }
     }
 
+    /// Waits for delivery reports and moves those that arrived into `into`.
+    /// Cancel-safe.
+    pub async fn reports(&mut self, into: &mut Vec<Report>) {
+        if self.reports.recv_many(into, REPORTS_AT_ONCE).await == 0 {
+            // The sender lives in the producer: never closed while it lives.
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Waits for the reports of `sent` records, calling `acknowledged` for
+    /// each acknowledgement; the first refusal is the error.
+    pub async fn delivered(&mut self, sent: usize, mut acknowledged: impl FnMut()) -> Result<()> {
+        let mut reports = Vec::new();
+        let mut left = sent;
+        while left > 0 {
+            self.reports(&mut reports).await;
+            for (_, outcome) in reports.drain(..) {
+                outcome?;
+                left -= 1;
+                acknowledged();
+            }
+        }
+        Ok(())
+    }
+
     /// Registers the transactional id with the broker, fencing any older
     /// producer with the same id and aborting its open transaction.
     pub async fn init_transactions(&self) -> Result<()> {
-        self.blocking(|p| p.init_transactions(TXN_CALL_TIMEOUT))
-            .await
-    }
-
-    pub async fn begin_transaction(&self) -> Result<()> {
-        self.blocking(|p| p.begin_transaction()).await
-    }
-
-    /// Commits the open transaction; every record in it is then delivered.
-    pub async fn commit_transaction(&self) -> Result<()> {
-        self.blocking(|p| {
-            // commit_transaction flushes first, through rdkafka's flush,
-            // which waits in steps of 100 ms (see `flush_now`); after this
-            // one it returns at once.
-            flush_now(p, TXN_CALL_TIMEOUT)?;
-            p.commit_transaction(TXN_CALL_TIMEOUT)
+        blocking(self.inner.clone(), |p| {
+            p.init_transactions(TXN_CALL_TIMEOUT)
         })
         .await
     }
 
-    pub async fn abort_transaction(&self) -> Result<()> {
-        self.blocking(|p| p.abort_transaction(TXN_CALL_TIMEOUT))
-            .await
+    pub async fn begin_transaction(&self) -> Result<()> {
+        blocking(self.inner.clone(), |p| p.begin_transaction()).await
     }
 
-    async fn blocking(
-        &self,
-        call: impl FnOnce(&FutureProducer) -> rdkafka::error::KafkaResult<()> + Send + 'static,
-    ) -> Result<()> {
-        let producer = self.inner.clone();
-        tokio::task::spawn_blocking(move || call(&producer))
-            .await
-            .map_err(|e| Error::Setup(format!("kafka call panicked: {e}")))?
-            .map_err(Error::from)
+    /// Commits the open transaction; every record in it is then delivered.
+    pub async fn commit_transaction(&self) -> Result<()> {
+        blocking(self.inner.clone(), commit).await
+    }
+
+    pub async fn abort_transaction(&self) -> Result<()> {
+        blocking(self.inner.clone(), |p| {
+            p.abort_transaction(TXN_CALL_TIMEOUT)
+        })
+        .await
     }
 
     /// Waits for queued records to be delivered, up to `timeout`.
@@ -146,12 +216,30 @@ impl Producer {
     }
 }
 
+/// Runs a blocking transactional call on tokio's blocking pool.
+async fn blocking(
+    producer: ThreadedProducer<Reporter>,
+    call: impl FnOnce(&ThreadedProducer<Reporter>) -> KafkaResult<()> + Send + 'static,
+) -> Result<()> {
+    tokio::task::spawn_blocking(move || call(&producer))
+        .await
+        .map_err(|e| Error::Setup(format!("kafka call panicked: {e}")))?
+        .map_err(Error::from)
+}
+
+fn commit(producer: &ThreadedProducer<Reporter>) -> KafkaResult<()> {
+    // commit_transaction flushes first, through rdkafka's flush, which waits
+    // in steps of 100 ms (see `flush_now`); after this one it returns at once.
+    flush_now(producer, TXN_CALL_TIMEOUT)?;
+    producer.commit_transaction(TXN_CALL_TIMEOUT)
+}
+
 /// Waits until every queued record is acknowledged or refused, up to
 /// `timeout`, sending at once what waits out `linger.ms`. rdkafka's own
 /// flush polls for the reports in steps of 100 ms while the producer's
 /// polling thread serves them, so it returns up to 100 ms late; librdkafka's
 /// waits on a condition variable.
-fn flush_now(producer: &FutureProducer, timeout: Duration) -> KafkaResult<()> {
+fn flush_now(producer: &ThreadedProducer<Reporter>, timeout: Duration) -> KafkaResult<()> {
     let millis = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
     #[allow(unsafe_code)]
     // SAFETY: the handle is valid while `producer` lives, and librdkafka's
@@ -167,14 +255,16 @@ fn flush_now(producer: &FutureProducer, timeout: Duration) -> KafkaResult<()> {
 /// tests have one in memory.
 #[allow(async_fn_in_trait)]
 pub trait Kafka {
-    /// Resolves when Kafka acknowledged the record, or refused it: a refusal
-    /// for good is [`Error::Poison`] naming the event.
-    type Delivery: Future<Output = Result<()>> + Unpin + 'static;
-
-    /// Enqueues an event as routed.
-    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery>;
-    /// Enqueues a record that is not an event (the offset record).
-    async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<Self::Delivery>;
+    /// Enqueues an event as routed; its report comes from [`Kafka::reports`]
+    /// with `tag`.
+    async fn send(&self, event: &OutboxEvent, route: &Route, tag: Tag) -> Result<()>;
+    /// Enqueues a record that is not an event (the offset record), whose
+    /// report nobody waits for: its delivery is the commit's.
+    async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<()>;
+    /// Waits for delivery reports, Kafka's acknowledgement or refusal of
+    /// records sent, and moves those that arrived into `into`; pending for
+    /// ever when none will. Cancel-safe.
+    async fn reports(&mut self, into: &mut Vec<Report>);
     /// Registers the transactional id, fencing older producers of it.
     async fn init_transactions(&self) -> Result<()>;
     async fn begin_transaction(&self) -> Result<()>;
@@ -188,16 +278,16 @@ pub trait Kafka {
 }
 
 impl Kafka for Producer {
-    type Delivery = BoxFuture<'static, Result<()>>;
-
-    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery> {
-        let delivery = Producer::send(self, event, route).await?;
-        Ok(classify(delivery, &event.event_id))
+    async fn send(&self, event: &OutboxEvent, route: &Route, tag: Tag) -> Result<()> {
+        Producer::send(self, event, route, tag).await
     }
 
-    async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<Self::Delivery> {
-        let delivery = Producer::send_raw(self, topic, key, value).await?;
-        Ok(classify(delivery, "offset record"))
+    async fn send_raw(&self, topic: &str, key: &str, value: &str) -> Result<()> {
+        Producer::send_raw(self, topic, key, value).await
+    }
+
+    async fn reports(&mut self, into: &mut Vec<Report>) {
+        Producer::reports(self, into).await;
     }
 
     async fn init_transactions(&self) -> Result<()> {
@@ -209,8 +299,7 @@ impl Kafka for Producer {
     }
 
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
-        let producer = self.clone();
-        async move { Producer::commit_transaction(&producer).await }.boxed()
+        blocking(self.inner.clone(), commit).boxed()
     }
 
     async fn abort_transaction(&self) -> Result<()> {
@@ -220,26 +309,6 @@ impl Kafka for Producer {
     fn flush(&self, timeout: Duration) -> Result<()> {
         Producer::flush(self, timeout)
     }
-}
-
-/// A delivery report as a result, naming the event when Kafka refuses it
-/// for good.
-fn classify(report: DeliveryFuture, what: &str) -> BoxFuture<'static, Result<()>> {
-    let what = what.to_owned();
-    async move {
-        match report.await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err((e, _))) => Err(match e.rdkafka_error_code() {
-                Some(code) if is_poison(code) => Error::Poison {
-                    event_id: what,
-                    reason: format!("kafka refused it: {code}"),
-                },
-                _ => Error::Kafka(e),
-            }),
-            Err(_) => Err(Error::Kafka(KafkaError::Canceled)),
-        }
-    }
-    .boxed()
 }
 
 /// Codes that say this record will never be accepted, whatever the retry.

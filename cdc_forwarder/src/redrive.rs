@@ -12,7 +12,6 @@
 //! no longer parked. An event still refused leaves its aggregate parked and
 //! its transaction aborted, so nothing of that aggregate is published.
 
-use futures::future::try_join_all;
 use tokio_postgres::Client;
 
 use crate::config::{Config, Delivery};
@@ -77,12 +76,18 @@ pub async fn run(
     transactional.delivery = Delivery::ExactlyOnce;
     transactional.transactional_id_override =
         Some(format!("{}-redrive", config.transactional_id()));
-    let producer = Producer::new(&transactional)?;
+    let mut producer = Producer::new(&transactional)?;
     producer.init_transactions().await?;
     let router = Router::for_config(config);
     for (aggregate_type, aggregate_id) in parked {
-        if let Some(outcome) =
-            redrive_one(&mut sql, &producer, &router, &aggregate_type, &aggregate_id).await?
+        if let Some(outcome) = redrive_one(
+            &mut sql,
+            &mut producer,
+            &router,
+            &aggregate_type,
+            &aggregate_id,
+        )
+        .await?
         {
             progress(&outcome);
             outcomes.push(outcome);
@@ -93,7 +98,7 @@ pub async fn run(
 
 async fn redrive_one(
     sql: &mut Client,
-    producer: &Producer,
+    producer: &mut Producer,
     router: &Router,
     aggregate_type: &str,
     aggregate_id: &str,
@@ -155,9 +160,8 @@ async fn redrive_one(
 }
 
 /// Sends the events and waits for every acknowledgement.
-async fn publish(producer: &Producer, router: &Router, events: &[OutboxEvent]) -> Result<()> {
-    let mut deliveries = Vec::with_capacity(events.len());
-    for event in events {
+async fn publish(producer: &mut Producer, router: &Router, events: &[OutboxEvent]) -> Result<()> {
+    for (tag, event) in events.iter().enumerate() {
         let mut route = router.route(event).map_err(|e| Error::Poison {
             event_id: event.event_id.clone(),
             reason: e.to_string(),
@@ -165,8 +169,7 @@ async fn publish(producer: &Producer, router: &Router, events: &[OutboxEvent]) -
         route
             .headers
             .push((REDRIVEN_HEADER.to_owned(), "true".to_owned()));
-        deliveries.push(Kafka::send(producer, event, &route).await?);
+        Kafka::send(producer, event, &route, tag).await?;
     }
-    try_join_all(deliveries).await?;
-    Ok(())
+    producer.delivered(events.len(), || ()).await
 }

@@ -3,8 +3,6 @@
 //! header `replayed = true`. For consumers that lost state; it does not touch
 //! the slot or the stored offsets.
 
-use futures::stream::{FuturesOrdered, StreamExt};
-
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS};
@@ -52,9 +50,9 @@ pub async fn run(
     // exactly-once transactions.
     let mut plain = config.clone();
     plain.delivery = crate::config::Delivery::AtLeastOnce;
-    let producer = Producer::new(&plain)?;
+    let mut producer = Producer::new(&plain)?;
     let router = Router::for_config(config);
-    let mut reports = FuturesOrdered::new();
+    let mut sent = 0;
     for row in rows {
         let event = OutboxEvent::from_row(&row);
         let mut route = router
@@ -63,18 +61,9 @@ pub async fn run(
         route
             .headers
             .push((REPLAYED_HEADER.to_owned(), "true".to_owned()));
-        reports.push_back(producer.send(&event, &route).await?);
+        producer.send(&event, &route, sent).await?;
+        sent += 1;
     }
-    let mut sent = 0;
-    while let Some(report) = reports.next().await {
-        match report {
-            Ok(Ok(_)) => {
-                sent += 1;
-                progress.inc(1);
-            }
-            Ok(Err((e, _))) => return Err(Error::Kafka(e)),
-            Err(_) => return Err(Error::Kafka(rdkafka::error::KafkaError::Canceled)),
-        }
-    }
-    Ok(sent)
+    producer.delivered(sent, || progress.inc(1)).await?;
+    Ok(sent as u64)
 }

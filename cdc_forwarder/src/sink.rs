@@ -18,7 +18,7 @@
 mod at_least_once;
 pub mod transactional;
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 
 pub use at_least_once::AtLeastOnce;
@@ -27,11 +27,11 @@ pub use transactional::Transactional;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::horizon::{Horizon, Mark};
-use crate::ledger::Released;
+use crate::ledger::{Released, TxnId};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::parking::{Behind, Parking};
-use crate::producer::Kafka;
+use crate::producer::{Kafka, Tag};
 use crate::routing::{Route, Router};
 
 /// How long a sink's graceful shutdown waits for outstanding deliveries.
@@ -136,31 +136,33 @@ impl<K: Kafka> Publisher<K> {
     }
 
     /// Sends `event` where it routes, or to the dead-letter topic when it is
-    /// poison. Returns its delivery and its size.
-    pub async fn publish(&mut self, event: OutboxEvent) -> Result<(K::Delivery, usize)> {
+    /// poison, with `tag` for its delivery report. Returns its size.
+    pub async fn publish(&mut self, event: OutboxEvent, tag: Tag) -> Result<usize> {
         let size = event.size();
         if let Some(parking) = &mut self.parking {
             if let Some(behind) = parking.held_behind(&event).await? {
-                let delivery = if behind.first_event_id == event.event_id {
+                if behind.first_event_id == event.event_id {
                     // Sent again (a replay): it stays a dead letter until redrive.
                     let reason = "dead-lettered before; its aggregate is parked behind it".into();
-                    self.send_dead_letter(event, reason, None, Vec::new())
-                        .await?
+                    self.send_dead_letter(event, reason, None, Vec::new(), tag)
+                        .await?;
                 } else {
-                    self.park_behind(event, behind).await?
-                };
-                return Ok((delivery, size));
+                    self.park_behind(event, behind, tag).await?;
+                }
+                return Ok(size);
             }
         }
         if self.poisoned.contains(&event.event_id) {
-            let delivery = self
-                .dead_letter(event, "kafka refused it at delivery".into(), None)
+            self.dead_letter(event, "kafka refused it at delivery".into(), None, tag)
                 .await?;
-            return Ok((delivery, size));
+            return Ok(size);
         }
         let route = match self.router.route(&event) {
             Ok(route) => route,
-            Err(e) => return Ok((self.dead_letter(event, e.to_string(), None).await?, size)),
+            Err(e) => {
+                self.dead_letter(event, e.to_string(), None, tag).await?;
+                return Ok(size);
+            }
         };
         crate::faults::check("before_produce");
         let alone = self.suspects.contains(&event.event_id);
@@ -168,19 +170,20 @@ impl<K: Kafka> Publisher<K> {
             // In a batch of its own: delivered, or refused for itself.
             self.kafka.flush(DRAIN_TIMEOUT)?;
         }
-        let sent = self.kafka.send(&event, &route).await;
+        let sent = self.kafka.send(&event, &route, tag).await;
         if alone && sent.is_ok() {
             self.kafka.flush(DRAIN_TIMEOUT)?;
         }
-        let delivery = match sent {
-            Ok(delivery) => delivery,
+        match sent {
+            Ok(()) => {}
             Err(Error::Poison { reason, .. }) => {
-                self.dead_letter(event, reason, Some(route.topic)).await?
+                self.dead_letter(event, reason, Some(route.topic), tag)
+                    .await?;
             }
             Err(e) => return Err(e),
-        };
+        }
         crate::faults::check("after_produce");
-        Ok((delivery, size))
+        Ok(size)
     }
 
     /// A poison event: an error that halts the forwarder, or with a
@@ -190,7 +193,8 @@ impl<K: Kafka> Publisher<K> {
         event: OutboxEvent,
         reason: String,
         topic: Option<String>,
-    ) -> Result<K::Delivery> {
+        tag: Tag,
+    ) -> Result<()> {
         if self.dead_letter_topic.is_none() {
             tracing::error!(event_id = %event.event_id, reason = %reason, "poison event; halting (configure a dead-letter topic to divert such events)");
             return Err(Error::Poison {
@@ -202,16 +206,16 @@ impl<K: Kafka> Publisher<K> {
             if let Some(behind) = parking.park(&event, &reason).await? {
                 if behind.first_event_id != event.event_id {
                     // Poison too, but behind an earlier one of its aggregate.
-                    return self.park_behind(event, behind).await;
+                    return self.park_behind(event, behind, tag).await;
                 }
             }
         }
-        self.send_dead_letter(event, reason, topic, Vec::new())
+        self.send_dead_letter(event, reason, topic, Vec::new(), tag)
             .await
     }
 
     /// An event held back behind its aggregate's first dead-lettered event.
-    async fn park_behind(&mut self, event: OutboxEvent, behind: Behind) -> Result<K::Delivery> {
+    async fn park_behind(&mut self, event: OutboxEvent, behind: Behind, tag: Tag) -> Result<()> {
         let reason = format!(
             "parked behind event {} (aggregate_seq {}) of its aggregate",
             behind.first_event_id, behind.first_seq
@@ -221,7 +225,7 @@ impl<K: Kafka> Publisher<K> {
             behind.first_event_id,
         )];
         self.metrics.parked_events.inc();
-        self.send_dead_letter(event, reason, None, extra).await
+        self.send_dead_letter(event, reason, None, extra, tag).await
     }
 
     async fn send_dead_letter(
@@ -230,7 +234,8 @@ impl<K: Kafka> Publisher<K> {
         reason: String,
         topic: Option<String>,
         extra: Vec<(String, String)>,
-    ) -> Result<K::Delivery> {
+        tag: Tag,
+    ) -> Result<()> {
         let Some(dead_letter_topic) = &self.dead_letter_topic else {
             return Err(Error::Poison {
                 event_id: event.event_id,
@@ -259,10 +264,57 @@ impl<K: Kafka> Publisher<K> {
             headers,
             value: None,
         };
-        let delivery = self.kafka.send(&event, &route).await?;
+        self.kafka.send(&event, &route, tag).await?;
         self.metrics.dead_lettered.inc();
         tracing::warn!(event_id = %event.event_id, reason = %reason, topic = %dead_letter_topic, "poison event sent to the dead-letter topic");
-        Ok(delivery)
+        Ok(())
+    }
+}
+
+/// The records sent and not yet reported, by tag. Tags are handed out in
+/// sending order; reports come back in any order across partitions.
+#[derive(Debug, Default)]
+struct InFlight {
+    /// The tag of `records[0]`.
+    first: Tag,
+    /// Each record's transaction and size; none once reported.
+    records: VecDeque<Option<(TxnId, usize)>>,
+    len: usize,
+    bytes: usize,
+}
+
+impl InFlight {
+    /// The tag the next record is sent with.
+    fn next_tag(&self) -> Tag {
+        self.first + self.records.len()
+    }
+
+    /// The record tagged [`InFlight::next_tag`] was sent.
+    fn sent(&mut self, txn: TxnId, size: usize) {
+        self.records.push_back(Some((txn, size)));
+        self.len += 1;
+        self.bytes += size;
+    }
+
+    /// The transaction and size of the record a report is for; none when it
+    /// is not in flight.
+    fn reported(&mut self, tag: Tag) -> Option<(TxnId, usize)> {
+        let record = self.records.get_mut(tag.checked_sub(self.first)?)?.take()?;
+        self.len -= 1;
+        self.bytes -= record.1;
+        while let Some(None) = self.records.front() {
+            self.records.pop_front();
+            self.first += 1;
+        }
+        Some(record)
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 
@@ -286,4 +338,30 @@ fn unix_micros() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::InFlight;
+
+    #[test]
+    fn reports_in_any_order_free_their_records_once() {
+        let mut in_flight = InFlight::default();
+        for (txn, size) in [(0, 10), (0, 20), (1, 30)] {
+            assert_eq!(
+                in_flight.next_tag(),
+                in_flight.first + in_flight.records.len()
+            );
+            in_flight.sent(txn, size);
+        }
+        assert_eq!(in_flight.reported(1), Some((0, 20)));
+        assert_eq!(in_flight.reported(1), None, "a report counts once");
+        assert_eq!((in_flight.len(), in_flight.bytes()), (2, 40));
+        assert_eq!(in_flight.reported(0), Some((0, 10)));
+        assert_eq!(in_flight.next_tag(), 3, "tags are never handed out twice");
+        assert_eq!(in_flight.reported(7), None, "a tag never sent");
+        assert_eq!(in_flight.reported(2), Some((1, 30)));
+        assert_eq!((in_flight.len(), in_flight.bytes()), (0, 0));
+        assert!(in_flight.records.is_empty());
+    }
 }

@@ -18,15 +18,15 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::channel::oneshot;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tokio::sync::mpsc;
 
 use super::*;
 use crate::offsets::{self, Offsets};
-use crate::producer::Kafka;
+use crate::producer::{Kafka, Report, Tag};
 use crate::routing::Route;
 
 const OFFSETS_TOPIC: &str = "offsets";
@@ -112,6 +112,17 @@ fn event(id: &str) -> OutboxEvent {
 /// A record as the tests see it: topic and value (the event id, or the offset).
 type Record = (String, String);
 
+/// Where a record's delivery report goes: to its producer, with its tag
+/// (none for the offset record, whose report nobody waits for).
+type Reply = (mpsc::UnboundedSender<Report>, Option<Tag>);
+
+fn report((to, tag): Reply, outcome: Result<()>) {
+    if let Some(tag) = tag {
+        // The session gone, nobody waits for it.
+        let _ = to.send((tag, outcome));
+    }
+}
+
 /// What the slot and Kafka hold, shared by sessions.
 struct World {
     rng: StdRng,
@@ -127,7 +138,7 @@ struct World {
     /// The open Kafka transaction: its records, and whether one failed.
     open: Option<(Vec<Record>, bool)>,
     /// Records sent and not yet acknowledged.
-    pending: Vec<(Record, oneshot::Sender<Result<()>>)>,
+    pending: Vec<(Record, Reply)>,
     /// Chance of a failed delivery or commit, per thousand.
     failure_rate: u32,
     violations: Vec<String>,
@@ -161,7 +172,7 @@ impl World {
                 } else {
                     Ok(())
                 };
-                let _ = reply.send(outcome);
+                report(reply, outcome);
             } else {
                 i += 1;
             }
@@ -171,55 +182,66 @@ impl World {
 
 type Shared = Arc<Mutex<World>>;
 
-#[derive(Clone)]
-struct MemoryKafka(Shared);
+/// A session's producer.
+struct MemoryKafka {
+    world: Shared,
+    sender: mpsc::UnboundedSender<Report>,
+    reports: mpsc::UnboundedReceiver<Report>,
+}
 
 impl MemoryKafka {
-    fn enqueue(&self, topic: &str, value: &str) -> BoxFuture<'static, Result<()>> {
-        let (reply, delivery) = oneshot::channel();
-        let mut world = self.0.lock().expect("the world");
+    fn new(world: &Shared) -> Self {
+        let (sender, reports) = mpsc::unbounded_channel();
+        MemoryKafka {
+            world: world.clone(),
+            sender,
+            reports,
+        }
+    }
+
+    fn enqueue(&self, topic: &str, value: &str, tag: Option<Tag>) {
+        let mut world = self.world.lock().expect("the world");
         let record = (topic.to_owned(), value.to_owned());
         if let Some((records, _)) = &mut world.open {
             records.push(record.clone());
         }
-        world.pending.push((record, reply));
-        async move {
-            delivery
-                .await
-                .unwrap_or(Err(Error::Kafka(rdkafka::error::KafkaError::Canceled)))
-        }
-        .boxed()
+        world.pending.push((record, (self.sender.clone(), tag)));
     }
 }
 
 impl Kafka for MemoryKafka {
-    type Delivery = BoxFuture<'static, Result<()>>;
-
-    async fn send(&self, event: &OutboxEvent, route: &Route) -> Result<Self::Delivery> {
-        Ok(self.enqueue(&route.topic, &event.event_id))
+    async fn send(&self, event: &OutboxEvent, route: &Route, tag: Tag) -> Result<()> {
+        self.enqueue(&route.topic, &event.event_id, Some(tag));
+        Ok(())
     }
 
-    async fn send_raw(&self, topic: &str, _key: &str, value: &str) -> Result<Self::Delivery> {
-        Ok(self.enqueue(topic, value))
+    async fn send_raw(&self, topic: &str, _key: &str, value: &str) -> Result<()> {
+        self.enqueue(topic, value, None);
+        Ok(())
+    }
+
+    async fn reports(&mut self, into: &mut Vec<Report>) {
+        // The sender lives in the producer: never closed.
+        self.reports.recv_many(into, 64).await;
     }
 
     async fn init_transactions(&self) -> Result<()> {
         // Fences the older producer: its open transaction is aborted.
-        let mut world = self.0.lock().expect("the world");
+        let mut world = self.world.lock().expect("the world");
         world.open = None;
         world.pending.clear();
         Ok(())
     }
 
     async fn begin_transaction(&self) -> Result<()> {
-        let mut world = self.0.lock().expect("the world");
+        let mut world = self.world.lock().expect("the world");
         assert!(world.open.is_none(), "a transaction is already open");
         world.open = Some((Vec::new(), false));
         Ok(())
     }
 
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
-        let world = self.0.clone();
+        let world = self.world.clone();
         async move {
             // A commit takes a while; the source goes on meanwhile.
             let turns = world.lock().expect("the world").rng.random_range(0..30);
@@ -230,11 +252,12 @@ impl Kafka for MemoryKafka {
             let (records, failed) = world.open.take().expect("no open transaction");
             let fail = failed || world.rng.random_range(0..1000) < world.failure_rate;
             for (_, reply) in world.pending.drain(..) {
-                let _ = reply.send(if fail {
+                let outcome = if fail {
                     Err(Error::Kafka(rdkafka::error::KafkaError::Canceled))
                 } else {
                     Ok(())
-                });
+                };
+                report(reply, outcome);
             }
             if fail {
                 return Err(Error::Kafka(rdkafka::error::KafkaError::Canceled));
@@ -247,7 +270,7 @@ impl Kafka for MemoryKafka {
     }
 
     async fn abort_transaction(&self) -> Result<()> {
-        let mut world = self.0.lock().expect("the world");
+        let mut world = self.world.lock().expect("the world");
         world.open = None;
         world.pending.clear();
         Ok(())
@@ -407,7 +430,7 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
             break;
         }
         let out = Publisher::new(
-            MemoryKafka(world.clone()),
+            MemoryKafka::new(&world),
             Arc::new(Router::new("t.{aggregate_type}")),
             None,
             HashSet::new(),

@@ -4,15 +4,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::stream::{FuturesUnordered, StreamExt};
-
-use super::{count_released, unix_micros, Publisher, Sink, DRAIN_TIMEOUT};
+use super::{count_released, unix_micros, InFlight, Publisher, Sink, DRAIN_TIMEOUT};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
-use crate::ledger::{Ledger, TxnId};
+use crate::ledger::Ledger;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::producer::Kafka;
+use crate::producer::{Kafka, Report};
 
 /// How long a forwarder halting on a poison event waits for the events it
 /// produced before it to be delivered.
@@ -21,9 +19,9 @@ const POISON_FLUSH_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct AtLeastOnce<K: Kafka> {
     out: Publisher<K>,
     ledger: Ledger,
-    reports: FuturesUnordered<Tagged<K::Delivery>>,
-    /// Bytes of events whose report has not arrived.
-    in_flight_bytes: usize,
+    in_flight: InFlight,
+    /// Room for the reports that arrive together, kept between steps.
+    spare: Vec<Report>,
     max_events: usize,
     max_bytes: usize,
     metrics: Arc<Metrics>,
@@ -39,18 +37,23 @@ impl<K: Kafka> AtLeastOnce<K> {
         AtLeastOnce {
             out,
             ledger: Ledger::default(),
-            reports: FuturesUnordered::new(),
-            in_flight_bytes: 0,
+            in_flight: InFlight::default(),
+            spare: Vec::new(),
             max_events,
             max_bytes,
             metrics,
         }
     }
 
-    fn delivered(&mut self, txn: TxnId, size: usize, result: Result<()>) -> Result<()> {
-        result?;
-        self.ledger.unhold(txn);
-        self.in_flight_bytes -= size;
+    /// Each acknowledged event gives back its hold; a refusal ends the session.
+    fn take_reports(&mut self, reports: &mut Vec<Report>) -> Result<()> {
+        for (tag, outcome) in reports.drain(..) {
+            let Some((txn, _)) = self.in_flight.reported(tag) else {
+                continue;
+            };
+            outcome?;
+            self.ledger.unhold(txn);
+        }
         Ok(())
     }
 }
@@ -73,15 +76,10 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
             .ledger
             .current()
             .expect("an event outside a transaction");
-        let (delivery, size) = self.out.publish(event).await?;
+        let size = self.out.publish(event, self.in_flight.next_tag()).await?;
         self.ledger.event(txn, size);
         self.ledger.hold(txn);
-        self.in_flight_bytes += size;
-        self.reports.push(Tagged {
-            delivery,
-            txn,
-            size,
-        });
+        self.in_flight.sent(txn, size);
         Ok(())
     }
 
@@ -97,24 +95,25 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
     }
 
     fn has_room(&self) -> bool {
-        self.reports.len() < self.max_events && self.in_flight_bytes < self.max_bytes
+        self.in_flight.len() < self.max_events && self.in_flight.bytes() < self.max_bytes
     }
 
     fn reading(&self) -> bool {
         self.ledger.reading()
     }
 
-    type Step = (TxnId, usize, Result<()>);
+    type Step = Vec<Report>;
 
     async fn wait(&mut self) -> Result<Self::Step> {
-        match self.reports.next().await {
-            Some(report) => Ok(report),
-            None => std::future::pending().await,
-        }
+        let mut reports = std::mem::take(&mut self.spare);
+        self.out.kafka.reports(&mut reports).await;
+        Ok(reports)
     }
 
-    async fn apply(&mut self, (txn, size, result): Self::Step) -> Result<()> {
-        self.delivered(txn, size, result)
+    async fn apply(&mut self, mut reports: Self::Step) -> Result<()> {
+        let taken = self.take_reports(&mut reports);
+        self.spare = reports;
+        taken
     }
 
     fn confirmable(&mut self) -> Option<Lsn> {
@@ -127,8 +126,10 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
 
     async fn finish(&mut self) -> Result<()> {
         let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
-            while let Some((txn, size, result)) = self.reports.next().await {
-                self.delivered(txn, size, result)?;
+            let mut reports = Vec::new();
+            while self.in_flight.len() > 0 {
+                self.out.kafka.reports(&mut reports).await;
+                self.take_reports(&mut reports)?;
             }
             Ok(())
         });
@@ -136,7 +137,7 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
             Ok(outcome) => outcome,
             Err(_) => {
                 tracing::warn!(
-                    in_flight = self.reports.len(),
+                    in_flight = self.in_flight.len(),
                     "drain timed out; undelivered events will be replayed"
                 );
                 Ok(())
@@ -154,26 +155,5 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
         if let Err(e) = self.out.kafka.flush(POISON_FLUSH_TIMEOUT) {
             tracing::warn!(error = %e, "events before the failure not all delivered; the next start sends them");
         }
-    }
-}
-
-/// A delivery with the transaction and size it stands for.
-pub(super) struct Tagged<D> {
-    pub delivery: D,
-    pub txn: TxnId,
-    pub size: usize,
-}
-
-impl<D: std::future::Future<Output = Result<()>> + Unpin> std::future::Future for Tagged<D> {
-    type Output = (TxnId, usize, Result<()>);
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let this = &mut *self;
-        std::pin::Pin::new(&mut this.delivery)
-            .poll(cx)
-            .map(|result| (this.txn, this.size, result))
     }
 }

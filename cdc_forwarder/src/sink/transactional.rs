@@ -17,11 +17,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use futures::stream::{FuturesUnordered, StreamExt};
 use futures::FutureExt;
 
-use super::at_least_once::Tagged;
-use super::{count_released, unix_micros, Publisher, Sink};
+use super::{count_released, unix_micros, InFlight, Publisher, Sink};
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::horizon::{Horizon, Mark, Tracker};
@@ -29,7 +27,7 @@ use crate::ledger::{Ledger, TxnId};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::offsets::{self, Offsets};
-use crate::producer::Kafka;
+use crate::producer::{Kafka, Report};
 
 /// When a Kafka transaction is committed and how much may wait.
 #[derive(Debug, Clone, Copy)]
@@ -72,7 +70,7 @@ enum Item {
 
 /// What [`Sink::wait`] found.
 pub enum Step {
-    Delivered(TxnId, usize, Result<()>),
+    Reported(Vec<Report>),
     Committed(Result<()>),
     Lingered,
 }
@@ -96,9 +94,9 @@ pub struct Transactional<K: Kafka, O> {
     buffer: VecDeque<Item>,
     buffered_bytes: usize,
     buffered_commits: usize,
-    reports: FuturesUnordered<Tagged<K::Delivery>>,
-    /// Bytes of events sent and not acknowledged.
-    in_flight_bytes: usize,
+    in_flight: InFlight,
+    /// Room for the reports that arrive together, kept between steps.
+    spare: Vec<Report>,
 }
 
 impl<K: Kafka, O: Offsets> Transactional<K, O> {
@@ -118,8 +116,8 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             buffer: VecDeque::new(),
             buffered_bytes: 0,
             buffered_commits: 0,
-            reports: FuturesUnordered::new(),
-            in_flight_bytes: 0,
+            in_flight: InFlight::default(),
+            spare: Vec::new(),
         }
     }
 
@@ -143,16 +141,21 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
                 last_end: None,
             });
         }
-        let (delivery, size) = self.out.publish(event).await?;
+        let size = self.out.publish(event, self.in_flight.next_tag()).await?;
         self.ledger.event(txn, size);
-        self.in_flight_bytes += size;
-        self.reports.push(Tagged {
-            delivery,
-            txn,
-            size,
-        });
+        self.in_flight.sent(txn, size);
         if let Some(batch) = &mut self.batch {
             batch.events += 1;
+        }
+        Ok(())
+    }
+
+    /// Reports of records in flight leave it; a refusal ends the session.
+    fn take_reports(&mut self, reports: &mut Vec<Report>) -> Result<()> {
+        for (tag, outcome) in reports.drain(..) {
+            if self.in_flight.reported(tag).is_some() {
+                outcome?;
+            }
         }
         Ok(())
     }
@@ -210,9 +213,12 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         };
         if let Err(error) = result {
             // A record Kafka refused for good says more than the commit.
-            while let Some(Some((_, _, report))) = self.reports.next().now_or_never() {
-                if let Err(poison @ Error::Poison { .. }) = report {
-                    return Err(poison);
+            let mut reports = Vec::new();
+            while let Some(()) = self.out.kafka.reports(&mut reports).now_or_never() {
+                for (_, outcome) in reports.drain(..) {
+                    if let Err(poison @ Error::Poison { .. }) = outcome {
+                        return Err(poison);
+                    }
                 }
             }
             return Err(error);
@@ -248,13 +254,12 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
 
     /// Adds the offset record of `position` to the open Kafka transaction,
     /// with the horizon as of that position. Its delivery is the commit's:
-    /// dropping the report loses nothing.
+    /// nobody waits for its report.
     async fn send_offset(&mut self, position: Lsn) -> Result<()> {
         self.tracker.advance(position);
         let value = offsets::encode(position, self.tracker.horizon().as_ref());
         let (topic, key) = self.offsets.address();
-        let _report = self.out.kafka.send_raw(topic, key, &value).await?;
-        Ok(())
+        self.out.kafka.send_raw(topic, key, &value).await
     }
 
     /// A Kafka transaction holding only the offset record, so Kafka knows
@@ -334,8 +339,8 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     }
 
     fn has_room(&self) -> bool {
-        self.reports.len() + self.buffer.len() < self.batching.max_in_flight_events
-            && self.in_flight_bytes + self.buffered_bytes < self.batching.max_in_flight_bytes
+        self.in_flight.len() + self.buffer.len() < self.batching.max_in_flight_events
+            && self.in_flight.bytes() + self.buffered_bytes < self.batching.max_in_flight_bytes
     }
 
     fn reading(&self) -> bool {
@@ -351,28 +356,36 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             }
             _ => None,
         };
-        let reports = &mut self.reports;
+        let mut arrived = std::mem::take(&mut self.spare);
+        let reporting = self.in_flight.len() > 0;
+        let kafka = &mut self.out.kafka;
         let committing = &mut self.committing;
-        tokio::select! {
+        let step = tokio::select! {
             biased;
-            Some((txn, size, result)) = reports.next(), if !reports.is_empty() => {
-                Ok(Step::Delivered(txn, size, result))
-            }
+            () = kafka.reports(&mut arrived), if reporting => None,
             result = async { committing.as_mut().expect("checked").future.as_mut().await }, if committing.is_some() => {
-                Ok(Step::Committed(result))
+                Some(Step::Committed(result))
             }
             () = async { tokio::time::sleep_until(linger.expect("checked").into()).await }, if linger.is_some() => {
-                Ok(Step::Lingered)
+                Some(Step::Lingered)
             }
             else => std::future::pending().await,
+        };
+        match step {
+            None => Ok(Step::Reported(arrived)),
+            Some(step) => {
+                self.spare = arrived;
+                Ok(step)
+            }
         }
     }
 
     async fn apply(&mut self, step: Step) -> Result<()> {
         match step {
-            Step::Delivered(_, size, result) => {
-                self.in_flight_bytes -= size;
-                result
+            Step::Reported(mut reports) => {
+                let taken = self.take_reports(&mut reports);
+                self.spare = reports;
+                taken
             }
             Step::Committed(result) => self.committed(result).await,
             Step::Lingered if self.due() && !self.ledger.reading() => self.start_commit().await,
@@ -407,9 +420,9 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
                 break;
             }
         }
-        while let Some(Some((_, size, result))) = self.reports.next().now_or_never() {
-            self.in_flight_bytes -= size;
-            result?;
+        let mut reports = Vec::new();
+        while let Some(()) = self.out.kafka.reports(&mut reports).now_or_never() {
+            self.take_reports(&mut reports)?;
         }
         if self.batch.take().is_some() {
             // A PostgreSQL transaction is half sent: abort, it is replayed.
