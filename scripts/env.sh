@@ -59,5 +59,5 @@ KAFKA_SASL_PASSWORD=kafka-secret
 # localhost and 127.0.0.1 that PostgreSQL and the broker present.
 TLS_DIR=$STACK_DIR/tls
 
-say() { printf '==> %s\n' "$*" >&2; }
+say() { printf '==> %s  [%s]\n' "$*" "$(date +%T)" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }

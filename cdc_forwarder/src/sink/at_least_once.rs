@@ -20,8 +20,8 @@ pub struct AtLeastOnce<K: Kafka> {
     out: Publisher<K>,
     ledger: Ledger,
     in_flight: InFlight,
-    /// Room for the reports that arrive together, kept between steps.
-    spare: Vec<Report>,
+    /// Reports that arrived, taken by the next [`Sink::apply`].
+    arrived: Vec<Report>,
     max_events: usize,
     max_bytes: usize,
     metrics: Arc<Metrics>,
@@ -38,7 +38,7 @@ impl<K: Kafka> AtLeastOnce<K> {
             out,
             ledger: Ledger::default(),
             in_flight: InFlight::default(),
-            spare: Vec::new(),
+            arrived: Vec::new(),
             max_events,
             max_bytes,
             metrics,
@@ -46,8 +46,8 @@ impl<K: Kafka> AtLeastOnce<K> {
     }
 
     /// Each acknowledged event gives back its hold; a refusal ends the session.
-    fn take_reports(&mut self, reports: &mut Vec<Report>) -> Result<()> {
-        for (tag, outcome) in reports.drain(..) {
+    fn take_reports(&mut self) -> Result<()> {
+        for (tag, outcome) in self.arrived.drain(..) {
             let Some((txn, _)) = self.in_flight.reported(tag) else {
                 continue;
             };
@@ -102,18 +102,16 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
         self.ledger.reading()
     }
 
-    type Step = Vec<Report>;
+    /// Reports arrived.
+    type Step = ();
 
     async fn wait(&mut self) -> Result<Self::Step> {
-        let mut reports = std::mem::take(&mut self.spare);
-        self.out.kafka.reports(&mut reports).await;
-        Ok(reports)
+        self.out.kafka.reports(&mut self.arrived).await;
+        Ok(())
     }
 
-    async fn apply(&mut self, mut reports: Self::Step) -> Result<()> {
-        let taken = self.take_reports(&mut reports);
-        self.spare = reports;
-        taken
+    async fn apply(&mut self, (): Self::Step) -> Result<()> {
+        self.take_reports()
     }
 
     fn confirmable(&mut self) -> Option<Lsn> {
@@ -126,10 +124,9 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
 
     async fn finish(&mut self) -> Result<()> {
         let drained = tokio::time::timeout(DRAIN_TIMEOUT, async {
-            let mut reports = Vec::new();
             while self.in_flight.len() > 0 {
-                self.out.kafka.reports(&mut reports).await;
-                self.take_reports(&mut reports)?;
+                self.out.kafka.reports(&mut self.arrived).await;
+                self.take_reports()?;
             }
             Ok(())
         });

@@ -70,7 +70,7 @@ enum Item {
 
 /// What [`Sink::wait`] found.
 pub enum Step {
-    Reported(Vec<Report>),
+    Reported,
     Committed(Result<()>),
     Lingered,
 }
@@ -95,8 +95,8 @@ pub struct Transactional<K: Kafka, O> {
     buffered_bytes: usize,
     buffered_commits: usize,
     in_flight: InFlight,
-    /// Room for the reports that arrive together, kept between steps.
-    spare: Vec<Report>,
+    /// Reports that arrived, taken by the next [`Sink::apply`].
+    arrived: Vec<Report>,
 }
 
 impl<K: Kafka, O: Offsets> Transactional<K, O> {
@@ -117,7 +117,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             buffered_bytes: 0,
             buffered_commits: 0,
             in_flight: InFlight::default(),
-            spare: Vec::new(),
+            arrived: Vec::new(),
         }
     }
 
@@ -151,8 +151,8 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
     }
 
     /// Reports of records in flight leave it; a refusal ends the session.
-    fn take_reports(&mut self, reports: &mut Vec<Report>) -> Result<()> {
-        for (tag, outcome) in reports.drain(..) {
+    fn take_reports(&mut self) -> Result<()> {
+        for (tag, outcome) in self.arrived.drain(..) {
             if self.in_flight.reported(tag).is_some() {
                 outcome?;
             }
@@ -213,15 +213,15 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         };
         if let Err(error) = result {
             // A record Kafka refused for good says more than the commit.
-            let mut reports = Vec::new();
-            while let Some(()) = self.out.kafka.reports(&mut reports).now_or_never() {
-                for (_, outcome) in reports.drain(..) {
-                    if let Err(poison @ Error::Poison { .. }) = outcome {
-                        return Err(poison);
-                    }
-                }
-            }
-            return Err(error);
+            while let Some(()) = self.out.kafka.reports(&mut self.arrived).now_or_never() {}
+            let poison = self
+                .arrived
+                .drain(..)
+                .find_map(|(_, outcome)| match outcome {
+                    Err(poison @ Error::Poison { .. }) => Some(poison),
+                    _ => None,
+                });
+            return Err(poison.unwrap_or(error));
         }
         self.metrics
             .kafka_commit_seconds
@@ -356,37 +356,25 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             }
             _ => None,
         };
-        let mut arrived = std::mem::take(&mut self.spare);
         let reporting = self.in_flight.len() > 0;
-        let kafka = &mut self.out.kafka;
+        let (kafka, arrived) = (&mut self.out.kafka, &mut self.arrived);
         let committing = &mut self.committing;
-        let step = tokio::select! {
+        tokio::select! {
             biased;
-            () = kafka.reports(&mut arrived), if reporting => None,
+            () = kafka.reports(arrived), if reporting => Ok(Step::Reported),
             result = async { committing.as_mut().expect("checked").future.as_mut().await }, if committing.is_some() => {
-                Some(Step::Committed(result))
+                Ok(Step::Committed(result))
             }
             () = async { tokio::time::sleep_until(linger.expect("checked").into()).await }, if linger.is_some() => {
-                Some(Step::Lingered)
+                Ok(Step::Lingered)
             }
             else => std::future::pending().await,
-        };
-        match step {
-            None => Ok(Step::Reported(arrived)),
-            Some(step) => {
-                self.spare = arrived;
-                Ok(step)
-            }
         }
     }
 
     async fn apply(&mut self, step: Step) -> Result<()> {
         match step {
-            Step::Reported(mut reports) => {
-                let taken = self.take_reports(&mut reports);
-                self.spare = reports;
-                taken
-            }
+            Step::Reported => self.take_reports(),
             Step::Committed(result) => self.committed(result).await,
             Step::Lingered if self.due() && !self.ledger.reading() => self.start_commit().await,
             Step::Lingered => Ok(()),
@@ -420,9 +408,8 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
                 break;
             }
         }
-        let mut reports = Vec::new();
-        while let Some(()) = self.out.kafka.reports(&mut reports).now_or_never() {
-            self.take_reports(&mut reports)?;
+        while let Some(()) = self.out.kafka.reports(&mut self.arrived).now_or_never() {
+            self.take_reports()?;
         }
         if self.batch.take().is_some() {
             // A PostgreSQL transaction is half sent: abort, it is replayed.
