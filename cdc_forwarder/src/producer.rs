@@ -168,14 +168,20 @@ impl Producer {
         }
     }
 
-    /// Waits for the reports of `sent` records, calling `acknowledged` for
-    /// each acknowledgement; the first refusal is the error.
-    pub async fn delivered(&mut self, sent: usize, mut acknowledged: impl FnMut()) -> Result<()> {
+    /// Waits for the reports of the records sent with `tags`, calling
+    /// `acknowledged` for each acknowledgement; the first refusal is the
+    /// error. Reports of other records (left from an aborted batch) are
+    /// passed over.
+    pub async fn delivered(
+        &mut self,
+        tags: std::ops::Range<Tag>,
+        mut acknowledged: impl FnMut(),
+    ) -> Result<()> {
         let mut reports = Vec::new();
-        let mut left = sent;
+        let mut left = tags.len();
         while left > 0 {
             self.reports(&mut reports).await;
-            for (_, outcome) in reports.drain(..) {
+            for (_, outcome) in reports.drain(..).filter(|(tag, _)| tags.contains(tag)) {
                 outcome?;
                 left -= 1;
                 acknowledged();

@@ -17,7 +17,7 @@ use tokio_postgres::Client;
 use crate::config::{Config, Delivery};
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS};
-use crate::producer::{Kafka, Producer};
+use crate::producer::{Kafka, Producer, Tag};
 use crate::routing::Router;
 use crate::slot;
 
@@ -79,10 +79,13 @@ pub async fn run(
     let mut producer = Producer::new(&transactional)?;
     producer.init_transactions().await?;
     let router = Router::for_config(config);
+    // Tags run on across aggregates: a late report of an aborted one is not
+    // taken for the next one's.
+    let mut next_tag = 0;
     for (aggregate_type, aggregate_id) in parked {
         if let Some(outcome) = redrive_one(
             &mut sql,
-            &mut producer,
+            (&mut producer, &mut next_tag),
             &router,
             &aggregate_type,
             &aggregate_id,
@@ -98,7 +101,7 @@ pub async fn run(
 
 async fn redrive_one(
     sql: &mut Client,
-    producer: &mut Producer,
+    (producer, next_tag): (&mut Producer, &mut Tag),
     router: &Router,
     aggregate_type: &str,
     aggregate_id: &str,
@@ -130,7 +133,7 @@ async fn redrive_one(
         .map(OutboxEvent::from_row)
         .collect();
     producer.begin_transaction().await?;
-    match publish(producer, router, &events).await {
+    match publish(producer, next_tag, router, &events).await {
         Ok(()) => producer.commit_transaction().await?,
         Err(Error::Poison { event_id, reason }) => {
             producer.abort_transaction().await?;
@@ -159,9 +162,16 @@ async fn redrive_one(
     }))
 }
 
-/// Sends the events and waits for every acknowledgement.
-async fn publish(producer: &mut Producer, router: &Router, events: &[OutboxEvent]) -> Result<()> {
-    for (tag, event) in events.iter().enumerate() {
+/// Sends the events, tagged from `next_tag` on, and waits for every
+/// acknowledgement.
+async fn publish(
+    producer: &mut Producer,
+    next_tag: &mut Tag,
+    router: &Router,
+    events: &[OutboxEvent],
+) -> Result<()> {
+    let first = *next_tag;
+    for event in events {
         let mut route = router.route(event).map_err(|e| Error::Poison {
             event_id: event.event_id.clone(),
             reason: e.to_string(),
@@ -169,7 +179,8 @@ async fn publish(producer: &mut Producer, router: &Router, events: &[OutboxEvent
         route
             .headers
             .push((REDRIVEN_HEADER.to_owned(), "true".to_owned()));
-        Kafka::send(producer, event, &route, tag).await?;
+        Kafka::send(producer, event, &route, *next_tag).await?;
+        *next_tag += 1;
     }
-    producer.delivered(events.len(), || ()).await
+    producer.delivered(first..*next_tag, || ()).await
 }

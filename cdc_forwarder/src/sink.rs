@@ -31,7 +31,7 @@ use crate::ledger::{Released, TxnId};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::parking::{Behind, Parking};
-use crate::producer::{Kafka, Tag};
+use crate::producer::{Kafka, Report, Tag};
 use crate::routing::{Route, Router};
 
 /// How long a sink's graceful shutdown waits for outstanding deliveries.
@@ -307,6 +307,22 @@ impl InFlight {
             self.first += 1;
         }
         Some(record)
+    }
+
+    /// Takes `reports`: each acknowledged record of those in flight gives
+    /// its transaction to `acknowledged`; a refusal is the error.
+    fn take(
+        &mut self,
+        reports: &mut Vec<Report>,
+        mut acknowledged: impl FnMut(TxnId),
+    ) -> Result<()> {
+        for (tag, outcome) in reports.drain(..) {
+            if let Some((txn, _)) = self.reported(tag) {
+                outcome?;
+                acknowledged(txn);
+            }
+        }
+        Ok(())
     }
 
     fn len(&self) -> usize {

@@ -47,14 +47,9 @@ impl<K: Kafka> AtLeastOnce<K> {
 
     /// Each acknowledged event gives back its hold; a refusal ends the session.
     fn take_reports(&mut self) -> Result<()> {
-        for (tag, outcome) in self.arrived.drain(..) {
-            let Some((txn, _)) = self.in_flight.reported(tag) else {
-                continue;
-            };
-            outcome?;
-            self.ledger.unhold(txn);
-        }
-        Ok(())
+        let ledger = &mut self.ledger;
+        self.in_flight
+            .take(&mut self.arrived, |txn| ledger.unhold(txn))
     }
 }
 

@@ -152,12 +152,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
 
     /// Reports of records in flight leave it; a refusal ends the session.
     fn take_reports(&mut self) -> Result<()> {
-        for (tag, outcome) in self.arrived.drain(..) {
-            if self.in_flight.reported(tag).is_some() {
-                outcome?;
-            }
-        }
-        Ok(())
+        self.in_flight.take(&mut self.arrived, |_| ())
     }
 
     /// A PostgreSQL commit reached the Kafka side.
