@@ -313,12 +313,9 @@ pub trait Kafka {
     /// Starts committing the open transaction; every record in it is
     /// delivered once the future resolves with `Ok`. The future runs on its
     /// own: it may be polled after the caller was cancelled.
-    ///
-    /// The transaction leaves the producer with the call: one may be begun
-    /// while it commits, on the other transactional id. That one may be
-    /// committed only after this commit returned, and may take records only
-    /// once every record of this one is acknowledged: records of two
-    /// producers keep no order between them in a partition.
+    /// The next transaction goes through the other transactional id (see
+    /// the module's notes): begin it once this commit returned, since
+    /// records of two producers keep no order between them in a partition.
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>>;
     async fn abort_transaction(&self) -> Result<()>;
     /// Waits for queued records to be delivered, up to `timeout`.
@@ -349,8 +346,10 @@ impl Kafka for Producer {
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
         let committing = self.active().clone();
         let turns = self.producers.len();
-        self.active
-            .store((self.active.load(Ordering::Relaxed) + 1) % turns, Ordering::Relaxed);
+        self.active.store(
+            (self.active.load(Ordering::Relaxed) + 1) % turns,
+            Ordering::Relaxed,
+        );
         blocking(committing, commit).boxed()
     }
 

@@ -325,11 +325,6 @@ impl InFlight {
         Ok(())
     }
 
-    /// Whether every record sent with a tag before `tag` is reported.
-    fn settled_before(&self, tag: Tag) -> bool {
-        self.first >= tag
-    }
-
     fn len(&self) -> usize {
         self.len
     }

@@ -123,14 +123,6 @@ fn report((to, tag): Reply, outcome: Result<()>) {
     }
 }
 
-/// A Kafka transaction not yet committed or aborted.
-struct KafkaTxn {
-    serial: u64,
-    records: Vec<Record>,
-    /// Whether one of its records failed.
-    failed: bool,
-}
-
 /// What the slot and Kafka hold, shared by sessions.
 struct World {
     rng: StdRng,
@@ -143,15 +135,10 @@ struct World {
     durable: Vec<Record>,
     /// Committed Kafka transactions, as the records in each.
     kafka_txns: Vec<Vec<Record>>,
-    /// The Kafka transaction taking records.
-    open: Option<KafkaTxn>,
-    /// The Kafka transaction being committed, which no longer takes any.
-    committing: Option<KafkaTxn>,
-    /// The serial number of the next Kafka transaction.
-    next_serial: u64,
-    /// Records sent and not yet acknowledged, with the serial number of
-    /// their Kafka transaction.
-    pending: Vec<(Record, Reply, Option<u64>)>,
+    /// The open Kafka transaction: its records, and whether one failed.
+    open: Option<(Vec<Record>, bool)>,
+    /// Records sent and not yet acknowledged.
+    pending: Vec<(Record, Reply)>,
     /// Chance of a failed delivery or commit, per thousand.
     failure_rate: u32,
     violations: Vec<String>,
@@ -173,16 +160,12 @@ impl World {
         let mut i = 0;
         while i < self.pending.len() {
             if self.rng.random_bool(0.3) {
-                let (record, reply, serial) = self.pending.swap_remove(i);
+                let (record, reply) = self.pending.swap_remove(i);
                 let fail = self.rng.random_range(0..1000) < self.failure_rate;
-                let txn = [&mut self.open, &mut self.committing]
-                    .into_iter()
-                    .flatten()
-                    .find(|t| Some(t.serial) == serial);
-                match txn {
-                    Some(txn) => txn.failed |= fail,
-                    None if !fail => self.durable.push(record),
-                    None => {}
+                match &mut self.open {
+                    Some((_, failed)) if self.exactly_once => *failed |= fail,
+                    _ if !fail => self.durable.push(record),
+                    _ => {}
                 }
                 let outcome = if fail {
                     Err(Error::Kafka(rdkafka::error::KafkaError::Canceled))
@@ -219,29 +202,10 @@ impl MemoryKafka {
     fn enqueue(&self, topic: &str, value: &str, tag: Option<Tag>) {
         let mut world = self.world.lock().expect("the world");
         let record = (topic.to_owned(), value.to_owned());
-        // Records of two transactional producers keep no order in a
-        // partition: an event of the next Kafka transaction may go only once
-        // every event of the committing one is acknowledged.
-        if let (Some(committing), Some(_)) = (&world.committing, tag) {
-            let serial = Some(committing.serial);
-            if world
-                .pending
-                .iter()
-                .any(|(_, (_, tag), s)| tag.is_some() && *s == serial)
-            {
-                let violation = format!(
-                    "{value} was sent while events of the committing Kafka transaction were unacknowledged"
-                );
-                world.violations.push(violation);
-            }
+        if let Some((records, _)) = &mut world.open {
+            records.push(record.clone());
         }
-        let serial = world.open.as_mut().map(|txn| {
-            txn.records.push(record.clone());
-            txn.serial
-        });
-        world
-            .pending
-            .push((record, (self.sender.clone(), tag), serial));
+        world.pending.push((record, (self.sender.clone(), tag)));
     }
 }
 
@@ -265,7 +229,6 @@ impl Kafka for MemoryKafka {
         // Fences the older producer: its open transaction is aborted.
         let mut world = self.world.lock().expect("the world");
         world.open = None;
-        world.committing = None;
         world.pending.clear();
         Ok(())
     }
@@ -273,29 +236,11 @@ impl Kafka for MemoryKafka {
     async fn begin_transaction(&self) -> Result<()> {
         let mut world = self.world.lock().expect("the world");
         assert!(world.open.is_none(), "a transaction is already open");
-        let serial = world.next_serial;
-        world.next_serial += 1;
-        world.open = Some(KafkaTxn {
-            serial,
-            records: Vec::new(),
-            failed: false,
-        });
+        world.open = Some((Vec::new(), false));
         Ok(())
     }
 
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
-        // The transaction leaves the producer at once: the next may begin.
-        let serial = {
-            let mut world = self.world.lock().expect("the world");
-            let txn = world.open.take().expect("no open transaction");
-            if world.committing.is_some() {
-                let violation = "a Kafka commit began while another was in flight".to_owned();
-                world.violations.push(violation);
-            }
-            let serial = txn.serial;
-            world.committing = Some(txn);
-            serial
-        };
         let world = self.world.clone();
         async move {
             // A commit takes a while; the source goes on meanwhile.
@@ -303,25 +248,22 @@ impl Kafka for MemoryKafka {
             for _ in 0..turns {
                 tokio::task::yield_now().await;
             }
-            let canceled = || Err(Error::Kafka(rdkafka::error::KafkaError::Canceled));
             let mut world = world.lock().expect("the world");
-            let Some(txn) = world.committing.take_if(|t| t.serial == serial) else {
-                // Fenced meanwhile.
-                return canceled();
-            };
-            let fail = txn.failed || world.rng.random_range(0..1000) < world.failure_rate;
-            let (ours, others) = std::mem::take(&mut world.pending)
-                .into_iter()
-                .partition(|(_, _, s)| *s == Some(serial));
-            world.pending = others;
-            for (_, reply, _) in ours {
-                report(reply, if fail { canceled() } else { Ok(()) });
+            let (records, failed) = world.open.take().expect("no open transaction");
+            let fail = failed || world.rng.random_range(0..1000) < world.failure_rate;
+            for (_, reply) in world.pending.drain(..) {
+                let outcome = if fail {
+                    Err(Error::Kafka(rdkafka::error::KafkaError::Canceled))
+                } else {
+                    Ok(())
+                };
+                report(reply, outcome);
             }
             if fail {
-                return canceled();
+                return Err(Error::Kafka(rdkafka::error::KafkaError::Canceled));
             }
-            world.durable.extend(txn.records.iter().cloned());
-            world.kafka_txns.push(txn.records);
+            world.durable.extend(records.iter().cloned());
+            world.kafka_txns.push(records);
             Ok(())
         }
         .boxed()
@@ -329,8 +271,8 @@ impl Kafka for MemoryKafka {
 
     async fn abort_transaction(&self) -> Result<()> {
         let mut world = self.world.lock().expect("the world");
-        let serial = world.open.take().map(|t| t.serial);
-        world.pending.retain(|(_, _, s)| *s != serial);
+        world.open = None;
+        world.pending.clear();
         Ok(())
     }
 
@@ -467,8 +409,6 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
         durable: Vec::new(),
         kafka_txns: Vec::new(),
         open: None,
-        committing: None,
-        next_serial: 0,
         pending: Vec::new(),
         failure_rate,
         violations: Vec::new(),
@@ -578,7 +518,6 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
         // What was still in flight is lost with the session.
         w.pending.clear();
         w.open = None;
-        w.committing = None;
         drop(w);
         if let Err(error) = outcome {
             tracing::debug!(%error, session, "session failed");

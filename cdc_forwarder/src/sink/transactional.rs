@@ -4,10 +4,8 @@
 //! has committed.
 //!
 //! Commits never stall the source. One Kafka commit is in flight at a time;
-//! the next Kafka transaction goes through the producer's other
-//! transactional id (see [`Kafka::commit_transaction`]) and takes what
-//! arrives as soon as every record of the committing one is acknowledged;
-//! until then what arrives is buffered (bounded by the in-flight limits).
+//! whatever arrives meanwhile is buffered (bounded by the in-flight limits)
+//! and goes into the next Kafka transaction as soon as the commit returns.
 //! A Kafka transaction is committed at the first PostgreSQL commit boundary
 //! where no other commit is in flight and either it holds `batch_max_events`
 //! or nothing complete waits behind it (after `batch_linger`, 0 by default).
@@ -29,7 +27,7 @@ use crate::ledger::{Ledger, TxnId};
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::offsets::{self, Offsets};
-use crate::producer::{Kafka, Report, Tag};
+use crate::producer::{Kafka, Report};
 
 /// When a Kafka transaction is committed and how much may wait.
 #[derive(Debug, Clone, Copy)]
@@ -52,17 +50,6 @@ struct Batch {
     complete: Vec<TxnId>,
     /// Commit end of the last of them.
     last_end: Option<Lsn>,
-    /// Whether it holds events of a PostgreSQL transaction whose commit is
-    /// not in it yet.
-    partial: bool,
-}
-
-impl Batch {
-    /// The position it may be committed up to: the end of its last
-    /// PostgreSQL transaction, when it holds nothing of a later one.
-    fn boundary(&self) -> Option<Lsn> {
-        self.last_end.filter(|_| !self.partial)
-    }
 }
 
 /// A Kafka commit in flight.
@@ -71,9 +58,6 @@ struct Committing {
     complete: Vec<TxnId>,
     end: Lsn,
     started: Instant,
-    /// The tag after its last record: no record of the next Kafka
-    /// transaction is sent before every record up to it is acknowledged.
-    records_end: Tag,
 }
 
 /// What arrived while a commit was in flight. Events are kept inline: boxing
@@ -106,8 +90,7 @@ pub struct Transactional<K: Kafka, O> {
     xid: Option<u32>,
     batch: Option<Batch>,
     committing: Option<Committing>,
-    /// What arrived while records of the committing Kafka transaction
-    /// were unacknowledged; empty whenever no commit is in flight.
+    /// Empty whenever no commit is in flight.
     buffer: VecDeque<Item>,
     buffered_bytes: usize,
     buffered_commits: usize,
@@ -156,7 +139,6 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
                 events: 0,
                 complete: Vec::new(),
                 last_end: None,
-                partial: false,
             });
         }
         let size = self.out.publish(event, self.in_flight.next_tag()).await?;
@@ -164,50 +146,13 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         self.in_flight.sent(txn, size);
         if let Some(batch) = &mut self.batch {
             batch.events += 1;
-            batch.partial = true;
         }
         Ok(())
     }
 
     /// Reports of records in flight leave it; a refusal ends the session.
-    /// Once the committing Kafka transaction's records are all acknowledged,
-    /// what waited for that goes into the next.
-    async fn take_reports(&mut self) -> Result<()> {
-        self.in_flight.take(&mut self.arrived, |_| ())?;
-        if !self.buffer.is_empty() && self.may_send() {
-            self.send_buffered().await?;
-        }
-        Ok(())
-    }
-
-    /// Whether a record may be sent now: no commit is in flight, or every
-    /// record of the committing Kafka transaction is acknowledged (the next
-    /// goes through the other producer, and could overtake them).
-    fn may_send(&self) -> bool {
-        self.committing
-            .as_ref()
-            .is_none_or(|c| self.in_flight.settled_before(c.records_end))
-    }
-
-    /// What waited goes into the Kafka transaction being filled, up to a
-    /// boundary where that one is due.
-    async fn send_buffered(&mut self) -> Result<()> {
-        while let Some(item) = self.buffer.pop_front() {
-            match item {
-                Item::Event(txn, event) => {
-                    self.buffered_bytes -= event.size();
-                    self.send(txn, event).await?;
-                }
-                Item::Commit(txn, end, xid) => {
-                    self.buffered_commits -= 1;
-                    self.close(txn, end, xid);
-                    if self.due() {
-                        return self.start_commit().await;
-                    }
-                }
-            }
-        }
-        Ok(())
+    fn take_reports(&mut self) -> Result<()> {
+        self.in_flight.take(&mut self.arrived, |_| ())
     }
 
     /// A PostgreSQL commit reached the Kafka side.
@@ -219,7 +164,6 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             Some(batch) => {
                 batch.complete.push(txn);
                 batch.last_end = Some(end);
-                batch.partial = false;
             }
             // No event of it waits in Kafka.
             None => self.ledger.unhold(txn),
@@ -233,7 +177,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             return false;
         };
         self.committing.is_none()
-            && batch.boundary().is_some()
+            && batch.last_end.is_some()
             && (batch.events >= self.batching.max_events
                 || (self.buffered_commits == 0 && batch.opened.elapsed() >= self.batching.linger))
     }
@@ -243,7 +187,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         let Some(batch) = self.batch.take() else {
             return Ok(());
         };
-        let Some(end) = batch.boundary() else {
+        let Some(end) = batch.last_end else {
             self.batch = Some(batch);
             return Ok(());
         };
@@ -253,7 +197,6 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             complete: batch.complete,
             end,
             started: Instant::now(),
-            records_end: self.in_flight.next_tag(),
         });
         Ok(())
     }
@@ -284,12 +227,24 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         for txn in committing.complete {
             self.ledger.unhold(txn);
         }
-        // The next Kafka transaction may be due already (what still waits
-        // waits for its records then), or takes what waits.
-        if self.due() {
-            return self.start_commit().await;
+        // What arrived meanwhile goes into the next Kafka transaction, up to
+        // a boundary where that one is due.
+        while let Some(item) = self.buffer.pop_front() {
+            match item {
+                Item::Event(txn, event) => {
+                    self.buffered_bytes -= event.size();
+                    self.send(txn, event).await?;
+                }
+                Item::Commit(txn, end, xid) => {
+                    self.buffered_commits -= 1;
+                    self.close(txn, end, xid);
+                    if self.due() {
+                        return self.start_commit().await;
+                    }
+                }
+            }
         }
-        self.send_buffered().await
+        Ok(())
     }
 
     /// Adds the offset record of `position` to the open Kafka transaction,
@@ -348,7 +303,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             .ledger
             .current()
             .expect("an event outside a transaction");
-        if !self.buffer.is_empty() || !self.may_send() {
+        if self.committing.is_some() {
             self.buffered_bytes += event.size();
             self.buffer.push_back(Item::Event(txn, event));
             return Ok(());
@@ -362,7 +317,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         };
         self.ledger.commit(txn, end_lsn, commit_time_micros);
         let xid = self.xid.take();
-        if !self.buffer.is_empty() || !self.may_send() {
+        if self.committing.is_some() {
             self.buffered_commits += 1;
             self.buffer.push_back(Item::Commit(txn, end_lsn, xid));
             return Ok(());
@@ -391,7 +346,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         // A complete Kafka transaction waiting out its linger, with nothing
         // of a later PostgreSQL transaction in it yet.
         let linger = match (&self.batch, &self.committing, self.ledger.current()) {
-            (Some(batch), None, None) if batch.boundary().is_some() => {
+            (Some(batch), None, None) if batch.last_end.is_some() => {
                 Some(batch.opened + self.batching.linger)
             }
             _ => None,
@@ -414,7 +369,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
 
     async fn apply(&mut self, step: Step) -> Result<()> {
         match step {
-            Step::Reported => self.take_reports().await,
+            Step::Reported => self.take_reports(),
             Step::Committed(result) => self.committed(result).await,
             Step::Lingered if self.due() && !self.ledger.reading() => self.start_commit().await,
             Step::Lingered => Ok(()),
@@ -441,7 +396,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
                 let result = committing.future.as_mut().await;
                 self.committed(result).await?;
             } else if !self.ledger.reading()
-                && self.batch.as_ref().is_some_and(|b| b.boundary().is_some())
+                && self.batch.as_ref().is_some_and(|b| b.last_end.is_some())
             {
                 self.start_commit().await?;
             } else {
@@ -449,7 +404,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             }
         }
         while let Some(()) = self.out.kafka.reports(&mut self.arrived).now_or_never() {
-            self.take_reports().await?;
+            self.take_reports()?;
         }
         if self.batch.take().is_some() {
             // A PostgreSQL transaction is half sent: abort, it is replayed.
@@ -464,7 +419,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     }
 
     async fn abandon(&mut self, _error: &Error) {
-        if self.batch.is_some() {
+        if self.batch.is_some() && self.committing.is_none() {
             // Best effort: the next session's fencing aborts it anyway.
             let _best_effort = self.out.kafka.abort_transaction().await;
         }
