@@ -7,9 +7,10 @@
 //! Why two: after a commit the broker writes the transaction's markers, and
 //! until they are written it refuses the same transactional id's next
 //! transaction its partitions (CONCURRENT_TRANSACTIONS), which librdkafka
-//! retries 20 ms later. At 1,000 transactions per second a fifth of the
-//! Kafka transactions waited so. The other producer's next transaction
-//! does not wait for those markers.
+//! retries 20 ms later: at 1,000 transactions per second, 2% to 20% of
+//! the Kafka transactions waited so in runs on our VM. The other producer's
+//! transaction does not wait for those markers, and by the time the first
+//! producer's turn comes again they are nearly always written.
 //!
 //! The transactional calls block; they run on tokio's blocking pool, never on
 //! the async workers.
