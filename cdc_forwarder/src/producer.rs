@@ -21,6 +21,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use rdkafka::client::ClientContext;
+use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Header, Headers, Message, OwnedHeaders};
 use rdkafka::producer::{
@@ -105,24 +106,12 @@ fn refusal(error: &KafkaError, message: &BorrowedMessage<'_>) -> Error {
 
 impl Producer {
     pub fn new(config: &Config) -> Result<Self> {
-        let mut client = config.kafka_client();
-        client
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            // The Java client's partitioner for keyed records, so Java
-            // producers and consumers agree with us on a key's partition.
-            .set("partitioner", "murmur2_random")
-            .set("linger.ms", "5")
-            .set("client.id", "outbox-forwarder");
+        let client = settings(config);
         let (sender, reports) = mpsc::unbounded_channel();
         let reporter = || Reporter {
             reports: sender.clone(),
         };
         let producers = if config.delivery == Delivery::ExactlyOnce {
-            client.set(
-                "transaction.timeout.ms",
-                config.transaction_timeout.as_millis().to_string(),
-            );
             let id = config.transactional_id();
             [id.clone(), format!("{id}.1")]
                 .into_iter()
@@ -363,6 +352,31 @@ impl Kafka for Producer {
     }
 }
 
+/// The librdkafka settings of the forwarder's producers, transactional id
+/// aside: the operator's `kafka_properties` under ours.
+fn settings(config: &Config) -> ClientConfig {
+    let mut client = config.kafka_client();
+    client
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        // The Java client's partitioner for keyed records, so Java
+        // producers and consumers agree with us on a key's partition.
+        .set("partitioner", "murmur2_random");
+    // Defaults the operator's kafka_properties may change.
+    for (key, value) in [("linger.ms", "5"), ("client.id", "outbox-forwarder")] {
+        if client.get(key).is_none() {
+            client.set(key, value);
+        }
+    }
+    if config.delivery == Delivery::ExactlyOnce {
+        client.set(
+            "transaction.timeout.ms",
+            config.transaction_timeout.as_millis().to_string(),
+        );
+    }
+    client
+}
+
 /// Codes that say this record will never be accepted, whatever the retry.
 pub fn is_poison(code: RDKafkaErrorCode) -> bool {
     matches!(
@@ -393,5 +407,26 @@ pub fn is_fenced(error: &Error) -> bool {
             )
         ),
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kafka_properties_change_the_defaults_but_not_the_guarantees() {
+        let mut config = Config::new("postgres://u@h/db", "k:9092").expect("config");
+        let defaults = settings(&config);
+        assert_eq!(defaults.get("linger.ms"), Some("5"));
+        assert_eq!(defaults.get("client.id"), Some("outbox-forwarder"));
+        for (key, value) in [("linger.ms", "20"), ("client.id", "orders-relay")] {
+            config.kafka_properties.0.insert(key.into(), value.into());
+        }
+        let tuned = settings(&config);
+        assert_eq!(tuned.get("linger.ms"), Some("20"));
+        assert_eq!(tuned.get("client.id"), Some("orders-relay"));
+        assert_eq!(tuned.get("enable.idempotence"), Some("true"));
+        assert_eq!(tuned.get("acks"), Some("all"));
     }
 }
