@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
 done
 
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
-cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin latency-probe
+cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin latency-probe --bin kafka-topics
 PROBE=$ROOT/target/release/latency-probe
 . "$ROOT/bench/harness.sh"
 forwarder_contenders "$BASELINE"
@@ -55,6 +55,7 @@ for who in $CONTENDERS; do
     kill -TERM $pid; wait $pid || true
 done
 bench_database $DB
+bench_topics_drop "lat-$run_id-"
 
 printf '\nforwarder at %s; %s single-event transactions/s for %s s; milliseconds\n' "$MEASURED" "$RATE" "$SECONDS_"
 for who in $CONTENDERS; do

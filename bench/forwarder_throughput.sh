@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
 done
 
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
-cargo build -q --release -p cdc_forwarder
+cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin kafka-topics
 . "$ROOT/bench/harness.sh"
 forwarder_contenders "$BASELINE"
 FORWARDERS=($CONTENDERS)
@@ -63,7 +63,7 @@ drain() {
             -o proto_version=1 -o publication_names=pg_outbox -E "$end_lsn" -f /dev/null --no-loop &
     else
         "${BIN[$who]}" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
-            --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$slot.{aggregate_type}" 2>/tmp/bench-$slot.log &
+            --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$round-$shape-$slot.{aggregate_type}" 2>/tmp/bench-$slot.log &
     fi
     pid=$!
     until wpid=$(psql_admin -d $DB -c "SELECT active_pid FROM pg_replication_slots WHERE slot_name = '$slot'") && [ -n "$wpid" ]; do
@@ -121,7 +121,7 @@ for round in $(seq 1 "$ROUNDS"); do
         [ "$who" = raw ] && continue
         slot=$(slot_of "$who")
         "${BIN[$who]}" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
-            --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$slot.{aggregate_type}" 2>/dev/null &
+            --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$round-$shape-$slot.{aggregate_type}" 2>/dev/null &
         pid=$!
         until [ "$(psql_admin -d $DB -c "SELECT count(*) FROM outbox.relay_progress WHERE slot_name = '$slot' AND caught_up_at IS NOT NULL")" = 1 ]; do sleep 0.1; done
         kill -TERM $pid; wait $pid || true
@@ -147,6 +147,7 @@ SQL
     for i in "${!FORWARDERS[@]}"; do
         drain_one "${FORWARDERS[$(( (i + round - 1) % ${#FORWARDERS[@]} ))]}"
     done
+    bench_topics_drop "bench-$run_id-$round-$shape-"
   done
 done
 

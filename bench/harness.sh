@@ -16,6 +16,15 @@ SQL
     fi
 }
 
+# Deletes the Kafka topics whose names start with PREFIX (a run's own): a
+# throughput run writes gigabytes that the broker would otherwise keep for
+# its retention time, and a broker holding them costs later runs CPU.
+# Needs target/release/kafka-topics (pg_outbox_tests).
+#   bench_topics_drop PREFIX
+bench_topics_drop() {
+    "$ROOT/target/release/kafka-topics" "$KAFKA_BOOTSTRAP" drop "$1" >/dev/null
+}
+
 # The forwarders to measure. Sets BIN
 # (contender -> binary), CONTENDERS (at-least-once exactly-once, plus
 # base-at-least-once base-exactly-once with a baseline) and MEASURED (the

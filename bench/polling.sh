@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
 done
 
 eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
-cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin latency-probe
+cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin latency-probe --bin kafka-topics
 FWD=$ROOT/target/release/outbox-forwarder
 PROBE=$ROOT/target/release/latency-probe
 . "$ROOT/bench/harness.sh"
@@ -182,6 +182,8 @@ for round in $(seq 1 "$ROUNDS"); do
     printf 'round %s: off %s tps, on %s tps, %s\n' "$round" "$off" "$on" "${ratios[-1]}" >&2
 done
 bench_database $DB
+bench_topics_drop "pollbench-$run_id-"
+bench_topics_drop "pollbench-lat-$run_id-"
 median() { printf '%s\n' "$@" | sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 
 printf '\npg_outbox at %s; polling relays beside the slot\n' "$MEASURED"
