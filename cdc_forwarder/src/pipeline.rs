@@ -511,7 +511,7 @@ impl Session<'_> {
             exact: true,
             origin,
         });
-        sink.commit(created.consistent_point, None).await?;
+        sink.commit(created.consistent_point, None, false).await?;
         sink.finish().await?;
         if sink.confirmable() < Some(created.consistent_point) {
             return Err(Error::Setup(
@@ -576,8 +576,8 @@ pub async fn forward<S: Source, K: Sink>(
             change = source.next(), if sink.has_room() => match change? {
                 Change::Begin { xid } => sink.begin(Some(xid)),
                 Change::Event(event) => sink.event(event).await?,
-                Change::Commit { end_lsn, commit_time_micros } => {
-                    sink.commit(end_lsn, Some(commit_time_micros)).await?;
+                Change::Commit { end_lsn, commit_time_micros, more } => {
+                    sink.commit(end_lsn, Some(commit_time_micros), more).await?;
                 }
                 Change::KeepAlive { wal_end } => sink.keepalive(wal_end),
             },

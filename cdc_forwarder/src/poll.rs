@@ -406,6 +406,7 @@ impl Relay {
         changes.push(Change::Commit {
             end_lsn: Lsn(self.batch_no),
             commit_time_micros: newest,
+            more: false,
         });
         for (aggregate, seq) in &last {
             self.in_hand.insert(aggregate.clone(), *seq);

@@ -54,8 +54,14 @@ pub trait Sink {
     /// A transaction begins: `xid` is its id, none for the catch-up's.
     fn begin(&mut self, xid: Option<u32>);
     async fn event(&mut self, event: OutboxEvent) -> Result<()>;
-    /// `commit_time_micros` is none for the first-start catch-up.
-    async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()>;
+    /// `commit_time_micros` is none for the first-start catch-up; `more`:
+    /// the source had more changes ready behind this commit.
+    async fn commit(
+        &mut self,
+        end_lsn: Lsn,
+        commit_time_micros: Option<i64>,
+        more: bool,
+    ) -> Result<()>;
     fn keepalive(&mut self, wal_end: Lsn);
 
     /// Whether the source may send more now (bounded memory).

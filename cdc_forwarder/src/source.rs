@@ -2,6 +2,8 @@
 //! positions, and the slot source that reads them from a logical replication
 //! slot (pgoutput), handling relations and skipping what Kafka already has.
 
+use futures::FutureExt;
+
 use crate::error::{Error, Result};
 use crate::event::{EventLayout, OutboxEvent};
 use crate::lsn::Lsn;
@@ -25,6 +27,9 @@ pub enum Change {
         end_lsn: Lsn,
         /// Microseconds since 2000-01-01.
         commit_time_micros: i64,
+        /// More changes were ready to be read behind it: the source is
+        /// behind, and a sink may wait for more before committing.
+        more: bool,
     },
     /// The source had nothing more to send before this position.
     KeepAlive {
@@ -48,6 +53,8 @@ pub struct SlotSource {
     /// Transactions whose commit record begins before this are in Kafka already.
     skip_before: Lsn,
     skipping: bool,
+    /// A change read ahead, to tell whether more is ready behind a commit.
+    ahead: Option<Result<Change>>,
 }
 
 impl SlotSource {
@@ -59,6 +66,7 @@ impl SlotSource {
             layout: None,
             skip_before,
             skipping: false,
+            ahead: None,
         }
     }
 
@@ -69,6 +77,27 @@ impl SlotSource {
 
 impl Source for SlotSource {
     async fn next(&mut self) -> Result<Change> {
+        let mut change = match self.ahead.take() {
+            Some(change) => change?,
+            None => self.read().await?,
+        };
+        if let Change::Commit { more, .. } = &mut change {
+            // Whatever the stream has already received behind the commit.
+            self.ahead = self.read().now_or_never();
+            *more = self.ahead.is_some();
+        }
+        Ok(change)
+    }
+
+    fn confirm(&mut self, lsn: Lsn) {
+        self.stream.confirm(lsn);
+    }
+}
+
+impl SlotSource {
+    /// The next change from the stream. Cancel-safe: what it consumed
+    /// before a pending read is kept in `self`.
+    async fn read(&mut self) -> Result<Change> {
         loop {
             let Some(event) = self.stream.next().await? else {
                 return Err(Error::Replication(pgwire_replication::PgWireError::Io(
@@ -115,6 +144,7 @@ impl Source for SlotSource {
                 } => Change::Commit {
                     end_lsn,
                     commit_time_micros,
+                    more: false,
                 },
                 StreamEvent::KeepAlive { wal_end } => Change::KeepAlive { wal_end },
             };
@@ -126,9 +156,5 @@ impl Source for SlotSource {
             }
             return Ok(change);
         }
-    }
-
-    fn confirm(&mut self, lsn: Lsn) {
-        self.stream.confirm(lsn);
     }
 }

@@ -324,6 +324,7 @@ impl MemorySource {
         let w = world.lock().expect("the world");
         let mut changes = std::collections::VecDeque::new();
         let mut rng = StdRng::seed_from_u64(w.confirmed.0);
+        let last = w.history.last().map(|t| t.end);
         for txn in w.history.iter().filter(|t| t.end > w.confirmed) {
             // The commit record begins just before its end.
             if Lsn(txn.end.0 - 10) < skip_before {
@@ -336,6 +337,8 @@ impl MemorySource {
             changes.push_back(Change::Commit {
                 end_lsn: txn.end,
                 commit_time_micros: 0,
+                // Sometimes the source is behind: the sink may wait for more.
+                more: Some(txn.end) != last && rng.random_bool(0.5),
             });
             if rng.random_bool(0.2) {
                 changes.push_back(Change::KeepAlive {
@@ -612,4 +615,106 @@ async fn at_least_once_confirms_only_what_kafka_acknowledged_and_loses_nothing()
 #[tokio::test]
 async fn exactly_once_confirms_only_committed_transactions_and_delivers_each_event_once() {
     property(true).await;
+}
+
+/// Steps the sink while it has something to do without waiting on a
+/// timer still to come: reports, commits (which take some turns), the
+/// buffer behind them, a linger that has run out.
+async fn settle<K: Kafka, O: Offsets>(sink: &mut Transactional<K, O>) {
+    let mut idle = 0;
+    while idle < 100 {
+        tokio::task::yield_now().await;
+        match sink.wait().now_or_never() {
+            Some(step) => {
+                sink.apply(step.expect("wait")).await.expect("apply");
+                idle = 0;
+            }
+            None => idle += 1,
+        }
+    }
+}
+
+/// The sizes of the Kafka transactions that single-event PostgreSQL
+/// transactions go into when they arrive one at a time, each commit saying
+/// whether the source had more ready behind it, the sink settling in
+/// between; with `keepalive`, the source then says it caught up.
+async fn kafka_transaction_sizes(more: &[bool], max_events: usize, keepalive: bool) -> Vec<usize> {
+    let world: Shared = Arc::new(Mutex::new(World {
+        rng: StdRng::seed_from_u64(7),
+        history: Vec::new(),
+        exactly_once: true,
+        confirmed: Lsn::ZERO,
+        durable: Vec::new(),
+        kafka_txns: Vec::new(),
+        open: None,
+        pending: Vec::new(),
+        failure_rate: 0,
+        violations: Vec::new(),
+    }));
+    let metrics = Metrics::new(0);
+    let out = Publisher::new(
+        MemoryKafka::new(&world),
+        Arc::new(Router::new("t.{aggregate_type}")),
+        None,
+        HashSet::new(),
+        metrics.clone(),
+    );
+    let batching = Batching {
+        max_events,
+        linger: Duration::ZERO,
+        max_in_flight_events: 1_000,
+        max_in_flight_bytes: 1 << 20,
+    };
+    let mut sink = Transactional::new(out, MemoryOffsets(world.clone()), batching, metrics);
+    sink.claim().await.expect("memory offsets");
+    for (i, &more) in more.iter().enumerate() {
+        sink.begin(Some(i as u32));
+        sink.event(event(&format!("e{i}"))).await.expect("event");
+        sink.commit(Lsn(100 * (i as u64 + 1)), Some(0), more)
+            .await
+            .expect("commit");
+        settle(&mut sink).await;
+    }
+    if keepalive {
+        sink.keepalive(Lsn(100 * (more.len() as u64 + 1)));
+        settle(&mut sink).await;
+    }
+    let world = world.lock().expect("the world");
+    world
+        .kafka_txns
+        .iter()
+        .map(|records| records.iter().filter(|(t, _)| t != OFFSETS_TOPIC).count())
+        .collect()
+}
+
+#[tokio::test]
+async fn caught_up_each_postgresql_commit_is_committed_to_kafka_at_once() {
+    assert_eq!(
+        kafka_transaction_sizes(&[false; 6], 100, false).await,
+        [1; 6]
+    );
+}
+
+#[tokio::test]
+async fn behind_a_backlog_a_kafka_transaction_fills_until_the_source_catches_up() {
+    let mut more = [true; 6];
+    more[5] = false;
+    assert_eq!(kafka_transaction_sizes(&more, 100, false).await, [6]);
+    // Still behind: nothing is committed yet.
+    assert!(kafka_transaction_sizes(&[true; 6], 100, false)
+        .await
+        .is_empty());
+}
+
+#[tokio::test]
+async fn behind_a_backlog_a_kafka_transaction_is_committed_at_batch_max_events() {
+    assert_eq!(
+        kafka_transaction_sizes(&[true; 10], 4, true).await,
+        [4, 4, 2]
+    );
+}
+
+#[tokio::test]
+async fn a_keepalive_says_the_source_caught_up() {
+    assert_eq!(kafka_transaction_sizes(&[true; 3], 100, true).await, [3]);
 }

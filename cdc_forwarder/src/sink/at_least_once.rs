@@ -78,7 +78,12 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
         Ok(())
     }
 
-    async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()> {
+    async fn commit(
+        &mut self,
+        end_lsn: Lsn,
+        commit_time_micros: Option<i64>,
+        _more: bool,
+    ) -> Result<()> {
         if let Some(txn) = self.ledger.current() {
             self.ledger.commit(txn, end_lsn, commit_time_micros);
         }

@@ -8,9 +8,11 @@
 //! and goes into the next Kafka transaction as soon as the commit returns.
 //! A Kafka transaction is committed at the first PostgreSQL commit boundary
 //! where no other commit is in flight and either it holds `batch_max_events`
-//! or nothing complete waits behind it (after `batch_linger`, 0 by default).
-//! So under load the transactions grow to what arrives during one commit,
-//! and a lone event waits for one commit, not for a timer.
+//! or the source has caught up: nothing complete waits behind it in the
+//! buffer and the source had nothing more ready behind that commit (after
+//! `batch_linger`, 0 by default). Behind a backlog it fills up to
+//! `batch_max_events`, or for [`BACKLOG_WAIT`] at most; a lone event waits
+//! for one commit, not for a timer.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -28,6 +30,10 @@ use crate::lsn::Lsn;
 use crate::metrics::Metrics;
 use crate::offsets::{self, Offsets};
 use crate::producer::{Kafka, Report};
+
+/// How long a complete Kafka transaction waits for more while the source is
+/// behind, at most (it is committed at `batch_max_events` before that).
+pub const BACKLOG_WAIT: Duration = Duration::from_millis(100);
 
 /// When a Kafka transaction is committed and how much may wait.
 #[derive(Debug, Clone, Copy)]
@@ -88,6 +94,9 @@ pub struct Transactional<K: Kafka, O> {
     tracker: Tracker,
     /// The id of the PostgreSQL transaction being read.
     xid: Option<u32>,
+    /// The source had more ready behind the last commit it sent, and no
+    /// keepalive came since: more is on its way.
+    behind: bool,
     batch: Option<Batch>,
     committing: Option<Committing>,
     /// Empty whenever no commit is in flight.
@@ -111,6 +120,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             stored: Lsn::ZERO,
             tracker: Tracker::default(),
             xid: None,
+            behind: false,
             batch: None,
             committing: None,
             buffer: VecDeque::new(),
@@ -179,7 +189,17 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         self.committing.is_none()
             && batch.last_end.is_some()
             && (batch.events >= self.batching.max_events
-                || (self.buffered_commits == 0 && batch.opened.elapsed() >= self.batching.linger))
+                || (self.buffered_commits == 0 && batch.opened.elapsed() >= self.linger()))
+    }
+
+    /// How long a complete Kafka transaction waits for more: longer while
+    /// the source is behind, since more is on its way.
+    fn linger(&self) -> Duration {
+        if self.behind {
+            self.batching.linger.max(BACKLOG_WAIT)
+        } else {
+            self.batching.linger
+        }
     }
 
     /// Closes the Kafka transaction with its offset record and starts the commit.
@@ -311,12 +331,18 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         self.send(txn, event).await
     }
 
-    async fn commit(&mut self, end_lsn: Lsn, commit_time_micros: Option<i64>) -> Result<()> {
+    async fn commit(
+        &mut self,
+        end_lsn: Lsn,
+        commit_time_micros: Option<i64>,
+        more: bool,
+    ) -> Result<()> {
         let Some(txn) = self.ledger.current() else {
             return Ok(());
         };
         self.ledger.commit(txn, end_lsn, commit_time_micros);
         let xid = self.xid.take();
+        self.behind = more;
         if self.committing.is_some() {
             self.buffered_commits += 1;
             self.buffer.push_back(Item::Commit(txn, end_lsn, xid));
@@ -331,6 +357,8 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
 
     fn keepalive(&mut self, wal_end: Lsn) {
         self.ledger.keepalive(wal_end);
+        // The server had nothing more to send: the source caught up.
+        self.behind = false;
     }
 
     fn has_room(&self) -> bool {
@@ -347,7 +375,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         // of a later PostgreSQL transaction in it yet.
         let linger = match (&self.batch, &self.committing, self.ledger.current()) {
             (Some(batch), None, None) if batch.last_end.is_some() => {
-                Some(batch.opened + self.batching.linger)
+                Some(batch.opened + self.linger())
             }
             _ => None,
         };
