@@ -145,6 +145,22 @@ struct World {
 }
 
 impl World {
+    /// Nothing confirmed, nothing in Kafka yet.
+    fn shared(seed: u64, history: Vec<Txn>, exactly_once: bool, failure_rate: u32) -> Shared {
+        Arc::new(Mutex::new(World {
+            rng: StdRng::seed_from_u64(seed),
+            history,
+            exactly_once,
+            confirmed: Lsn::ZERO,
+            durable: Vec::new(),
+            kafka_txns: Vec::new(),
+            open: None,
+            pending: Vec::new(),
+            failure_rate,
+            violations: Vec::new(),
+        }))
+    }
+
     fn durable_events(&self) -> HashMap<String, usize> {
         let mut seen = HashMap::new();
         for (topic, value) in &self.durable {
@@ -404,18 +420,7 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
     let mut rng = StdRng::seed_from_u64(seed);
     let history = history(&mut rng);
     let last = history.last().map_or(Lsn::ZERO, |t| t.end);
-    let world: Shared = Arc::new(Mutex::new(World {
-        rng: StdRng::seed_from_u64(seed ^ 0x5eed),
-        history,
-        exactly_once,
-        confirmed: Lsn::ZERO,
-        durable: Vec::new(),
-        kafka_txns: Vec::new(),
-        open: None,
-        pending: Vec::new(),
-        failure_rate,
-        violations: Vec::new(),
-    }));
+    let world = World::shared(seed ^ 0x5eed, history, exactly_once, failure_rate);
     let metrics = Metrics::new(0);
     // Kafka acknowledges on its own time.
     let broker = tokio::spawn({
@@ -639,18 +644,7 @@ async fn settle<K: Kafka, O: Offsets>(sink: &mut Transactional<K, O>) {
 /// whether the source had more ready behind it, the sink settling in
 /// between; with `keepalive`, the source then says it caught up.
 async fn kafka_transaction_sizes(more: &[bool], max_events: usize, keepalive: bool) -> Vec<usize> {
-    let world: Shared = Arc::new(Mutex::new(World {
-        rng: StdRng::seed_from_u64(7),
-        history: Vec::new(),
-        exactly_once: true,
-        confirmed: Lsn::ZERO,
-        durable: Vec::new(),
-        kafka_txns: Vec::new(),
-        open: None,
-        pending: Vec::new(),
-        failure_rate: 0,
-        violations: Vec::new(),
-    }));
+    let world = World::shared(7, Vec::new(), true, 0);
     let metrics = Metrics::new(0);
     let out = Publisher::new(
         MemoryKafka::new(&world),
