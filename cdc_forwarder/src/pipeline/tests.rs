@@ -198,6 +198,17 @@ impl World {
 
 type Shared = Arc<Mutex<World>>;
 
+/// A session's publisher to the in-memory Kafka, with nothing refused.
+fn publisher(world: &Shared, metrics: &Arc<Metrics>) -> Publisher<MemoryKafka> {
+    Publisher::new(
+        MemoryKafka::new(world),
+        Arc::new(Router::new("t.{aggregate_type}")),
+        None,
+        HashSet::new(),
+        metrics.clone(),
+    )
+}
+
 /// A session's producer.
 struct MemoryKafka {
     world: Shared,
@@ -437,13 +448,7 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
         if world.lock().expect("the world").confirmed >= last {
             break;
         }
-        let out = Publisher::new(
-            MemoryKafka::new(&world),
-            Arc::new(Router::new("t.{aggregate_type}")),
-            None,
-            HashSet::new(),
-            metrics.clone(),
-        );
+        let out = publisher(&world, &metrics);
         // Small limits, so backpressure and buffering are exercised.
         let (limit_events, limit_bytes) = (rng.random_range(1..8), rng.random_range(100..2000));
         let stop_after = rng.random_bool(0.5).then(|| rng.random_range(0..60));
@@ -646,13 +651,7 @@ async fn settle<K: Kafka, O: Offsets>(sink: &mut Transactional<K, O>) {
 async fn kafka_transaction_sizes(more: &[bool], max_events: usize, keepalive: bool) -> Vec<usize> {
     let world = World::shared(7, Vec::new(), true, 0);
     let metrics = Metrics::new(0);
-    let out = Publisher::new(
-        MemoryKafka::new(&world),
-        Arc::new(Router::new("t.{aggregate_type}")),
-        None,
-        HashSet::new(),
-        metrics.clone(),
-    );
+    let out = publisher(&world, &metrics);
     let batching = Batching {
         max_events,
         linger: Duration::ZERO,
