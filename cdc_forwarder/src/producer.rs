@@ -10,7 +10,9 @@
 //! retries 20 ms later: at 1,000 transactions per second, 2% to 20% of
 //! the Kafka transactions waited so in runs on our VM. The other producer's
 //! transaction does not wait for those markers, and by the time the first
-//! producer's turn comes again they are nearly always written.
+//! producer's turn comes again they are nearly always written. The other
+//! producer also lets the next transaction take records while this one's
+//! commit is under way, once this one's records are all acknowledged.
 //!
 //! The transactional calls block; they run on tokio's blocking pool, never on
 //! the async workers.
@@ -304,8 +306,9 @@ pub trait Kafka {
     /// delivered once the future resolves with `Ok`. The future runs on its
     /// own: it may be polled after the caller was cancelled.
     /// The next transaction goes through the other transactional id (see
-    /// the module's notes): begin it once this commit returned, since
-    /// records of two producers keep no order between them in a partition.
+    /// the module's notes): begin it once every record of this one is
+    /// acknowledged, since records of two producers keep no order between
+    /// them in a partition, and commit it once this commit returned.
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>>;
     async fn abort_transaction(&self) -> Result<()>;
     /// Waits for queued records to be delivered, up to `timeout`.

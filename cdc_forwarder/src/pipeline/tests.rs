@@ -15,6 +15,7 @@
 //! after some commit, and an insert position a few commits later.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -135,10 +136,13 @@ struct World {
     durable: Vec<Record>,
     /// Committed Kafka transactions, as the records in each.
     kafka_txns: Vec<Vec<Record>>,
-    /// The open Kafka transaction: its records, and whether one failed.
-    open: Option<(Vec<Record>, bool)>,
-    /// Records sent and not yet acknowledged.
-    pending: Vec<(Record, Reply)>,
+    /// Each transactional producer's open Kafka transaction: its records,
+    /// and whether one failed.
+    open: [Option<(Vec<Record>, bool)>; 2],
+    /// A Kafka commit is under way.
+    committing: bool,
+    /// Records sent and not yet acknowledged, with their producer.
+    pending: Vec<(Record, Reply, usize)>,
     /// Chance of a failed delivery or commit, per thousand.
     failure_rate: u32,
     violations: Vec<String>,
@@ -154,7 +158,8 @@ impl World {
             confirmed: Lsn::ZERO,
             durable: Vec::new(),
             kafka_txns: Vec::new(),
-            open: None,
+            open: [None, None],
+            committing: false,
             pending: Vec::new(),
             failure_rate,
             violations: Vec::new(),
@@ -176,9 +181,9 @@ impl World {
         let mut i = 0;
         while i < self.pending.len() {
             if self.rng.random_bool(0.3) {
-                let (record, reply) = self.pending.swap_remove(i);
+                let (record, reply, producer) = self.pending.swap_remove(i);
                 let fail = self.rng.random_range(0..1000) < self.failure_rate;
-                match &mut self.open {
+                match &mut self.open[producer] {
                     Some((_, failed)) if self.exactly_once => *failed |= fail,
                     _ if !fail => self.durable.push(record),
                     _ => {}
@@ -209,11 +214,14 @@ fn publisher(world: &Shared, metrics: &Arc<Metrics>) -> Publisher<MemoryKafka> {
     )
 }
 
-/// A session's producer.
+/// A session's producer: in exactly-once mode two transactional ones
+/// taking turns at each commit, as the real one has.
 struct MemoryKafka {
     world: Shared,
     sender: mpsc::UnboundedSender<Report>,
     reports: mpsc::UnboundedReceiver<Report>,
+    /// The producer that takes records now.
+    active: AtomicUsize,
 }
 
 impl MemoryKafka {
@@ -223,16 +231,34 @@ impl MemoryKafka {
             world: world.clone(),
             sender,
             reports,
+            active: AtomicUsize::new(0),
         }
+    }
+
+    fn active(&self) -> usize {
+        self.active.load(Ordering::Relaxed)
     }
 
     fn enqueue(&self, topic: &str, value: &str, tag: Option<Tag>) {
         let mut world = self.world.lock().expect("the world");
+        let producer = self.active();
         let record = (topic.to_owned(), value.to_owned());
-        if let Some((records, _)) = &mut world.open {
+        let overtaking = world
+            .pending
+            .iter()
+            .find(|((t, _), _, p)| *t == record.0 && *p != producer);
+        if let Some((other, ..)) = overtaking {
+            // It could be appended before the other producer's record.
+            let violation =
+                format!("{record:?} sent while {other:?} of the other producer was unacknowledged");
+            world.violations.push(violation);
+        }
+        if let Some((records, _)) = &mut world.open[producer] {
             records.push(record.clone());
         }
-        world.pending.push((record, (self.sender.clone(), tag)));
+        world
+            .pending
+            .push((record, (self.sender.clone(), tag), producer));
     }
 }
 
@@ -253,32 +279,47 @@ impl Kafka for MemoryKafka {
     }
 
     async fn init_transactions(&self) -> Result<()> {
-        // Fences the older producer: its open transaction is aborted.
+        // Fences the older producers: their open transactions are aborted.
         let mut world = self.world.lock().expect("the world");
-        world.open = None;
+        world.open = [None, None];
         world.pending.clear();
         Ok(())
     }
 
     async fn begin_transaction(&self) -> Result<()> {
         let mut world = self.world.lock().expect("the world");
-        assert!(world.open.is_none(), "a transaction is already open");
-        world.open = Some((Vec::new(), false));
+        let open = &mut world.open[self.active()];
+        assert!(open.is_none(), "a transaction is already open");
+        *open = Some((Vec::new(), false));
         Ok(())
     }
 
     fn commit_transaction(&self) -> BoxFuture<'static, Result<()>> {
         let world = self.world.clone();
+        let producer = self.active();
+        self.active.store(1 - producer, Ordering::Relaxed);
         async move {
+            {
+                let mut world = world.lock().expect("the world");
+                if world.committing {
+                    world.violations.push("two commits at once".into());
+                }
+                world.committing = true;
+            }
             // A commit takes a while; the source goes on meanwhile.
             let turns = world.lock().expect("the world").rng.random_range(0..30);
             for _ in 0..turns {
                 tokio::task::yield_now().await;
             }
             let mut world = world.lock().expect("the world");
-            let (records, failed) = world.open.take().expect("no open transaction");
+            world.committing = false;
+            let (records, failed) = world.open[producer].take().expect("no open transaction");
             let fail = failed || world.rng.random_range(0..1000) < world.failure_rate;
-            for (_, reply) in world.pending.drain(..) {
+            let (this, other) = std::mem::take(&mut world.pending)
+                .into_iter()
+                .partition(|(.., p)| *p == producer);
+            world.pending = other;
+            for (_, reply, _) in this {
                 let outcome = if fail {
                     Err(Error::Kafka(rdkafka::error::KafkaError::Canceled))
                 } else {
@@ -298,8 +339,9 @@ impl Kafka for MemoryKafka {
 
     async fn abort_transaction(&self) -> Result<()> {
         let mut world = self.world.lock().expect("the world");
-        world.open = None;
-        world.pending.clear();
+        let producer = self.active();
+        world.open[producer] = None;
+        world.pending.retain(|(.., p)| *p != producer);
         Ok(())
     }
 
@@ -530,7 +572,8 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
         let mut w = world.lock().expect("the world");
         // What was still in flight is lost with the session.
         w.pending.clear();
-        w.open = None;
+        w.open = [None, None];
+        w.committing = false;
         drop(w);
         if let Err(error) = outcome {
             tracing::debug!(%error, session, "session failed");

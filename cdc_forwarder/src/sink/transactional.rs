@@ -3,9 +3,13 @@
 //! transaction is confirmable once the Kafka transaction holding its commit
 //! has committed.
 //!
-//! Commits never stall the source. One Kafka commit is in flight at a time;
-//! whatever arrives meanwhile is buffered (bounded by the in-flight limits)
-//! and goes into the next Kafka transaction as soon as the commit returns.
+//! Commits never stall the source. One Kafka commit is in flight at a time.
+//! Once every record of that transaction is acknowledged (appended to its
+//! partitions), the next Kafka transaction opens on the other producer and
+//! takes events while the commit is still under way: its records land behind
+//! the committing one's, so each partition keeps the order. What arrives
+//! before those acknowledgements is buffered (bounded by the in-flight
+//! limits). The next commit starts only once the last one returned.
 //! A Kafka transaction is committed at the first PostgreSQL commit boundary
 //! where no other commit is in flight and either it holds `batch_max_events`
 //! or the source has caught up: nothing complete waits behind it in the
@@ -99,7 +103,7 @@ pub struct Transactional<K: Kafka, O> {
     behind: bool,
     batch: Option<Batch>,
     committing: Option<Committing>,
-    /// Empty whenever no commit is in flight.
+    /// Empty whenever events may be sent (see [`Transactional::may_send`]).
     buffer: VecDeque<Item>,
     buffered_bytes: usize,
     buffered_commits: usize,
@@ -161,8 +165,43 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
     }
 
     /// Reports of records in flight leave it; a refusal ends the session.
-    fn take_reports(&mut self) -> Result<()> {
-        self.in_flight.take(&mut self.arrived, |_| ())
+    /// Once the committing transaction's records are all acknowledged, what
+    /// waits in the buffer goes into the next one.
+    async fn take_reports(&mut self) -> Result<()> {
+        self.in_flight.take(&mut self.arrived, |_| ())?;
+        self.resume().await
+    }
+
+    /// Whether records may go to Kafka now: no commit is in flight, or the
+    /// next Kafka transaction is open, or every record of the committing one
+    /// is acknowledged, so that the next one's land behind them. Records of
+    /// two producers keep no order between them otherwise.
+    fn may_send(&self) -> bool {
+        self.committing.is_none() || self.batch.is_some() || self.in_flight.len() == 0
+    }
+
+    /// Sends what was buffered, as far as it may go now, starting a commit
+    /// at a boundary where one is due.
+    async fn resume(&mut self) -> Result<()> {
+        while self.may_send() {
+            let Some(item) = self.buffer.pop_front() else {
+                break;
+            };
+            match item {
+                Item::Event(txn, event) => {
+                    self.buffered_bytes -= event.size();
+                    self.send(txn, event).await?;
+                }
+                Item::Commit(txn, end, xid) => {
+                    self.buffered_commits -= 1;
+                    self.close(txn, end, xid);
+                    if self.due() {
+                        self.start_commit().await?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// A PostgreSQL commit reached the Kafka side.
@@ -247,22 +286,11 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         for txn in committing.complete {
             self.ledger.unhold(txn);
         }
-        // What arrived meanwhile goes into the next Kafka transaction, up to
-        // a boundary where that one is due.
-        while let Some(item) = self.buffer.pop_front() {
-            match item {
-                Item::Event(txn, event) => {
-                    self.buffered_bytes -= event.size();
-                    self.send(txn, event).await?;
-                }
-                Item::Commit(txn, end, xid) => {
-                    self.buffered_commits -= 1;
-                    self.close(txn, end, xid);
-                    if self.due() {
-                        return self.start_commit().await;
-                    }
-                }
-            }
+        self.resume().await?;
+        // The next Kafka transaction may have become due meanwhile, at a
+        // boundary: nothing of a later PostgreSQL transaction in it.
+        if self.buffer.is_empty() && !self.ledger.reading() && self.due() {
+            self.start_commit().await?;
         }
         Ok(())
     }
@@ -323,7 +351,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             .ledger
             .current()
             .expect("an event outside a transaction");
-        if self.committing.is_some() {
+        if !(self.buffer.is_empty() && self.may_send()) {
             self.buffered_bytes += event.size();
             self.buffer.push_back(Item::Event(txn, event));
             return Ok(());
@@ -343,7 +371,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         self.ledger.commit(txn, end_lsn, commit_time_micros);
         let xid = self.xid.take();
         self.behind = more;
-        if self.committing.is_some() {
+        if !(self.buffer.is_empty() && self.may_send()) {
             self.buffered_commits += 1;
             self.buffer.push_back(Item::Commit(txn, end_lsn, xid));
             return Ok(());
@@ -397,7 +425,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
 
     async fn apply(&mut self, step: Step) -> Result<()> {
         match step {
-            Step::Reported => self.take_reports(),
+            Step::Reported => self.take_reports().await,
             Step::Committed(result) => self.committed(result).await,
             Step::Lingered if self.due() && !self.ledger.reading() => self.start_commit().await,
             Step::Lingered => Ok(()),
@@ -432,7 +460,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             }
         }
         while let Some(()) = self.out.kafka.reports(&mut self.arrived).now_or_never() {
-            self.take_reports()?;
+            self.in_flight.take(&mut self.arrived, |_| ())?;
         }
         if self.batch.take().is_some() {
             // A PostgreSQL transaction is half sent: abort, it is replayed.
@@ -447,7 +475,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     }
 
     async fn abandon(&mut self, _error: &Error) {
-        if self.batch.is_some() && self.committing.is_none() {
+        if self.batch.is_some() {
             // Best effort: the next session's fencing aborts it anyway.
             let _best_effort = self.out.kafka.abort_transaction().await;
         }
