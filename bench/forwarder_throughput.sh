@@ -158,12 +158,12 @@ printf '\nforwarder at %s; %s round(s), medians; replication over TLS: %s (sslmo
 for shape in $SHAPES; do
     raw=$(echo "${rate[$shape raw]}" | median)
     alo=$(echo "${rate[$shape at-least-once]}" | median)
-    printf '\n%-30s %10s %8s %8s %12s %12s %8s %8s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "broker" "RSS MB"
+    printf '\n%-30s %10s %8s %8s %12s %12s %8s %8s  %s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "broker" "RSS MB" "events/s of each round"
     for who in $CONTENDERS; do
         r=$(echo "${rate[$shape $who]}" | median)
-        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s %8s\n' "$who" "$r" \
+        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s %8s  %s\n' "$who" "$r" \
             "$(echo "scale=3; $r / $raw" | bc)" "$(echo "scale=3; $r / $alo" | bc)" \
             "$(echo "${cpu[$shape $who]}" | median)" "$(echo "${wcpu[$shape $who]}" | median)" "$(echo "${kcpu[$shape $who]}" | median)" \
-            "$(echo "${rss[$shape $who]}" | median)"
+            "$(echo "${rss[$shape $who]}" | median)" "$(echo ${rate[$shape $who]} | tr ' ' ',')"
     done
 done
