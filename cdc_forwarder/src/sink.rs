@@ -8,8 +8,9 @@
 //!   never go missing.
 //! - [`Transactional`] (exactly-once): whole PostgreSQL transactions go into
 //!   Kafka transactions with an offset record (see [`crate::offsets`]); one
-//!   commit is in flight at a time, and what arrives meanwhile is buffered
-//!   (bounded) and goes into the next.
+//!   commit is in flight at a time, and the next transaction takes what
+//!   arrives meanwhile once the committing one's records are acknowledged
+//!   (buffered, bounded, until then).
 //!
 //! Both route events with the [`Router`] and send poison events (refused by
 //! routing or by Kafka for good) to the dead-letter topic, or halt on them
