@@ -586,7 +586,7 @@ impl Config {
             delivery: Delivery::AtLeastOnce,
             offsets_topic: "pg_outbox.offsets".into(),
             transactional_id_override: None,
-            batch_max_events: 20_000,
+            batch_max_events: 5_000,
             batch_linger: Duration::ZERO,
             transaction_timeout: Duration::from_secs(300),
             dead_letter_topic: None,

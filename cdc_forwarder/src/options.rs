@@ -88,7 +88,7 @@ pub struct Options {
     pub offsets_topic: String,
     /// Exactly-once: commit a Kafka transaction at the first PostgreSQL commit
     /// where it holds this many events, even while more wait behind it.
-    #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 20000)]
+    #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 5000)]
     pub batch_max_events: usize,
     /// Exactly-once: how long a Kafka transaction waits for more PostgreSQL
     /// transactions before its commit starts (0: at once; one commit is in
