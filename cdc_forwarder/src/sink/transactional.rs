@@ -180,6 +180,11 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         self.committing.is_none() || self.batch.is_some() || self.in_flight.len() == 0
     }
 
+    /// Whether what arrives now waits in the buffer, behind what already does.
+    fn buffering(&self) -> bool {
+        !self.buffer.is_empty() || !self.may_send()
+    }
+
     /// Sends what was buffered, as far as it may go now, starting a commit
     /// at a boundary where one is due.
     async fn resume(&mut self) -> Result<()> {
@@ -288,8 +293,9 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         }
         self.resume().await?;
         // The next Kafka transaction may have become due meanwhile, at a
-        // boundary: nothing of a later PostgreSQL transaction in it.
-        if self.buffer.is_empty() && !self.ledger.reading() && self.due() {
+        // boundary: nothing of a later PostgreSQL transaction in it. (With
+        // no commit in flight, `resume` emptied the buffer.)
+        if !self.ledger.reading() && self.due() {
             self.start_commit().await?;
         }
         Ok(())
@@ -351,7 +357,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             .ledger
             .current()
             .expect("an event outside a transaction");
-        if !(self.buffer.is_empty() && self.may_send()) {
+        if self.buffering() {
             self.buffered_bytes += event.size();
             self.buffer.push_back(Item::Event(txn, event));
             return Ok(());
@@ -371,7 +377,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         self.ledger.commit(txn, end_lsn, commit_time_micros);
         let xid = self.xid.take();
         self.behind = more;
-        if !(self.buffer.is_empty() && self.may_send()) {
+        if self.buffering() {
             self.buffered_commits += 1;
             self.buffer.push_back(Item::Commit(txn, end_lsn, xid));
             return Ok(());
@@ -460,7 +466,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             }
         }
         while let Some(()) = self.out.kafka.reports(&mut self.arrived).now_or_never() {
-            self.in_flight.take(&mut self.arrived, |_| ())?;
+            self.take_reports().await?;
         }
         if self.batch.take().is_some() {
             // A PostgreSQL transaction is half sent: abort, it is replayed.
