@@ -13,7 +13,9 @@
 # position reaching the backlog's end.
 # Prints per contender: events/s, ratio to pg_recvlogical, CPU seconds per
 # million events of the contender, of its walsender and of the Kafka broker,
-# and peak RSS; with several rounds, the median of each figure.
+# and peak RSS; with several rounds, the median of each figure, each round's
+# events/s, and each round's ratio to at-least-once with their median (the
+# contenders of one round drain the same backlog minutes apart at most).
 # --tls: every contender connects with sslmode=require (default: disable).
 # --baseline REV: also runs the forwarder built from REV (a worktree under
 # target/), so a change is measured with and without it in the same run.
@@ -154,16 +156,22 @@ done
 bench_database $DB
 
 median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{v[NR]=$1} END {print (NR % 2) ? v[(NR+1)/2] : (v[NR/2] + v[NR/2+1]) / 2}'; }
+# The ratio of two contenders' rates round by round: $1 and $2 drained the
+# same backlog in each round, a few seconds apart, so the VM's drift between
+# rounds leaves it alone.
+per_round() { paste -d' ' <(echo $1 | tr ' ' '\n') <(echo $2 | tr ' ' '\n') | awk '{printf "%.2f ", $1 / $2}'; }
 printf '\nforwarder at %s; %s round(s), medians; replication over TLS: %s (sslmode=%s)\n' "$MEASURED" "$ROUNDS" "$transport" "$SSLMODE"
 for shape in $SHAPES; do
     raw=$(echo "${rate[$shape raw]}" | median)
     alo=$(echo "${rate[$shape at-least-once]}" | median)
-    printf '\n%-30s %10s %8s %8s %12s %12s %8s %8s  %s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "broker" "RSS MB" "events/s of each round"
+    printf '\n%-30s %10s %8s %8s %12s %12s %8s %8s  %-30s %s\n' "$shape (events x per txn)" "events/s" "/raw" "/alo" "CPU-s/M" "walsender" "broker" "RSS MB" "events/s of each round" "/alo in each round (median)"
     for who in $CONTENDERS; do
         r=$(echo "${rate[$shape $who]}" | median)
-        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s %8s  %s\n' "$who" "$r" \
+        paired=$(per_round "${rate[$shape $who]}" "${rate[$shape at-least-once]}")
+        printf '%-30s %10s %8.2f %8.2f %12s %12s %8s %8s  %-30s %s (%s)\n' "$who" "$r" \
             "$(echo "scale=3; $r / $raw" | bc)" "$(echo "scale=3; $r / $alo" | bc)" \
             "$(echo "${cpu[$shape $who]}" | median)" "$(echo "${wcpu[$shape $who]}" | median)" "$(echo "${kcpu[$shape $who]}" | median)" \
-            "$(echo "${rss[$shape $who]}" | median)" "$(echo ${rate[$shape $who]} | tr ' ' ',')"
+            "$(echo "${rss[$shape $who]}" | median)" "$(echo ${rate[$shape $who]} | tr ' ' ',')" \
+            "$(echo $paired | tr ' ' ',')" "$(echo "$paired" | median)"
     done
 done
