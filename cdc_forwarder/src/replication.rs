@@ -31,7 +31,11 @@ pub enum StreamEvent {
     Change(Message),
     Commit {
         end_lsn: Lsn,
+        /// Microseconds since 2000-01-01, by the server's clock.
         commit_time_micros: i64,
+        /// When the server sent the last change before this commit, by the
+        /// same clock.
+        sent_micros: i64,
     },
     /// The server's position when it had nothing more to send.
     KeepAlive { wal_end: Lsn },
@@ -49,6 +53,8 @@ pub struct CreatedSlot {
 
 pub struct ReplicationStream {
     client: ReplicationClient,
+    /// The server's clock when it sent the last change read.
+    sent_micros: i64,
 }
 
 impl ReplicationStream {
@@ -70,7 +76,10 @@ impl ReplicationStream {
         .with_options("-c TimeZone=UTC -c DateStyle=ISO")
         .with_application_name("outbox-forwarder");
         let client = ReplicationClient::connect_gated(cfg).await?;
-        Ok(ReplicationStream { client })
+        Ok(ReplicationStream {
+            client,
+            sent_micros: 0,
+        })
     }
 
     /// CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export'), with `failover` a
@@ -131,8 +140,14 @@ impl ReplicationStream {
                 } => StreamEvent::Commit {
                     end_lsn: Lsn(end_lsn.as_u64()),
                     commit_time_micros,
+                    sent_micros: self.sent_micros,
                 },
-                ReplicationEvent::XLogData { data, .. } => {
+                ReplicationEvent::XLogData {
+                    data,
+                    server_time_micros,
+                    ..
+                } => {
+                    self.sent_micros = server_time_micros;
                     StreamEvent::Change(pgoutput::decode(data)?)
                 }
                 ReplicationEvent::KeepAlive { wal_end, .. } => StreamEvent::KeepAlive {

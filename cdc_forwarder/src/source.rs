@@ -27,14 +27,27 @@ pub enum Change {
         end_lsn: Lsn,
         /// Microseconds since 2000-01-01.
         commit_time_micros: i64,
-        /// More changes were ready to be read behind it: the source is
-        /// behind, and a sink may wait for more before committing.
+        /// The source is behind, and a sink may wait for more before
+        /// committing: more changes were ready to be read behind this
+        /// commit, or the server sent it long after it committed.
         more: bool,
     },
     /// The source had nothing more to send before this position.
     KeepAlive {
         wal_end: Lsn,
     },
+}
+
+/// How long after its commit the server may send a transaction's changes
+/// while it keeps up with the WAL. Sending them later, it is reading a
+/// backlog: more follows, even when the socket has nothing yet (at one event
+/// per transaction the walsender decodes slower than the forwarder reads).
+const BACKLOG_AGE_MICROS: i64 = 1_000_000;
+
+/// Whether the server sent a transaction from a backlog: both times are the
+/// server's, so the clocks of other hosts do not matter.
+fn from_backlog(commit_time_micros: i64, sent_micros: i64) -> bool {
+    sent_micros - commit_time_micros > BACKLOG_AGE_MICROS
 }
 
 /// A stream of [`Change`]s that can be told what is durably delivered.
@@ -84,7 +97,7 @@ impl Source for SlotSource {
         if let Change::Commit { more, .. } = &mut change {
             // Whatever the stream has already received behind the commit.
             self.ahead = self.read().now_or_never();
-            *more = self.ahead.is_some();
+            *more |= self.ahead.is_some();
         }
         Ok(change)
     }
@@ -141,10 +154,11 @@ impl SlotSource {
                 StreamEvent::Commit {
                     end_lsn,
                     commit_time_micros,
+                    sent_micros,
                 } => Change::Commit {
                     end_lsn,
                     commit_time_micros,
-                    more: false,
+                    more: from_backlog(commit_time_micros, sent_micros),
                 },
                 StreamEvent::KeepAlive { wal_end } => Change::KeepAlive { wal_end },
             };
@@ -156,5 +170,21 @@ impl SlotSource {
             }
             return Ok(change);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::from_backlog;
+
+    #[test]
+    fn a_transaction_sent_long_after_its_commit_comes_from_a_backlog() {
+        let committed = 818_000_000_000_000;
+        // Decoded and sent as it committed: the server keeps up.
+        assert!(!from_backlog(committed, committed + 3_000));
+        // The last change seen is an earlier transaction's.
+        assert!(!from_backlog(committed, committed - 5_000));
+        // Half a minute of WAL stood between the commit and its sending.
+        assert!(from_backlog(committed, committed + 30_000_000));
     }
 }
