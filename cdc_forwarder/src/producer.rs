@@ -355,14 +355,6 @@ impl Kafka for Producer {
     }
 }
 
-/// How long a record waits for others to share its batch, at least-once:
-/// short, since its delivery is what confirms it.
-const LINGER_MS: &str = "5";
-/// The same in a Kafka transaction, whose commit sends at once whatever
-/// still waits (see [`flush_now`]): lingering costs a caught-up event no
-/// time, and behind a backlog the broker gets fewer, larger batches.
-const TRANSACTIONAL_LINGER_MS: &str = "50";
-
 /// The librdkafka settings of the forwarder's producers, transactional id
 /// aside: the operator's `kafka_properties` under ours.
 fn settings(config: &Config) -> ClientConfig {
@@ -374,11 +366,7 @@ fn settings(config: &Config) -> ClientConfig {
         // producers and consumers agree with us on a key's partition.
         .set("partitioner", "murmur2_random");
     // Defaults the operator's kafka_properties may change.
-    let linger = match config.delivery {
-        Delivery::AtLeastOnce => LINGER_MS,
-        Delivery::ExactlyOnce => TRANSACTIONAL_LINGER_MS,
-    };
-    for (key, value) in [("linger.ms", linger), ("client.id", "outbox-forwarder")] {
+    for (key, value) in [("linger.ms", "5"), ("client.id", "outbox-forwarder")] {
         if client.get(key).is_none() {
             client.set(key, value);
         }
@@ -435,8 +423,6 @@ mod tests {
         let defaults = settings(&config);
         assert_eq!(defaults.get("linger.ms"), Some("5"));
         assert_eq!(defaults.get("client.id"), Some("outbox-forwarder"));
-        config.delivery = Delivery::ExactlyOnce;
-        assert_eq!(settings(&config).get("linger.ms"), Some("50"));
         for (key, value) in [("linger.ms", "20"), ("client.id", "orders-relay")] {
             config.kafka_properties.0.insert(key.into(), value.into());
         }
