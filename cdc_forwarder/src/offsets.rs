@@ -116,6 +116,10 @@ impl OffsetStore {
         let raw: BaseConsumer<QuietEof> =
             config("read_uncommitted").create_with_context(QuietEof)?;
 
+        // Each reader learns the topic first: librdkafka looks up a topic
+        // it has not seen, when a partition of it is assigned or queried,
+        // only at its next scan, up to a second later.
+        committed.fetch_metadata(Some(&self.topic), Duration::from_secs(10))?;
         let metadata = raw.fetch_metadata(Some(&self.topic), Duration::from_secs(10))?;
         let partitions: Vec<i32> = metadata
             .topics()

@@ -204,8 +204,10 @@ async fn publisher(
     refused: Refused<'_>,
     metrics: &Arc<Metrics>,
 ) -> Result<Publisher<Producer>> {
+    let producer = Producer::new(config)?;
+    producer.connect().await;
     let out = Publisher::new(
-        Producer::new(config)?,
+        producer,
         router.clone(),
         config.dead_letter_topic.clone(),
         refused.poisoned.clone(),

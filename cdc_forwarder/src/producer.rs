@@ -39,6 +39,8 @@ use crate::routing::{header, Route};
 
 /// How long a blocking transactional call may take.
 const TXN_CALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long [`Producer::connect`] waits for a broker, per attempt.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The most delivery reports taken at once.
 const REPORTS_AT_ONCE: usize = 1024;
 
@@ -132,6 +134,37 @@ impl Producer {
             active: AtomicUsize::new(0),
             reports,
         })
+    }
+
+    /// Connects each producer to a broker of the cluster, best effort,
+    /// before its producer id is wanted. librdkafka asks for the id only
+    /// over a connection to a broker it learned from the cluster, not over
+    /// the bootstrap connection it closes once it knows the brokers; when
+    /// none is up it tries again after half a second. Without this, half of
+    /// the starts waited those 500 ms in `init_transactions` (and an
+    /// idempotent producer's first records as long).
+    pub async fn connect(&self) {
+        for producer in &self.producers {
+            let producer = producer.clone();
+            let connected = tokio::task::spawn_blocking(move || {
+                // The first answer may come from the bootstrap address (id
+                // -1); the next goes over a connection to a cluster broker.
+                for _ in 0..3 {
+                    match producer.client().fetch_metadata(None, CONNECT_TIMEOUT) {
+                        Ok(metadata) if metadata.orig_broker_id() >= 0 => return Ok(()),
+                        Ok(_) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                Ok(())
+            })
+            .await;
+            if let Ok(Err(e)) = connected {
+                // Nothing is lost: the producer keeps trying on its own.
+                tracing::debug!(error = %e, "kafka not reached yet");
+                return;
+            }
+        }
     }
 
     /// The producer that takes records now.
