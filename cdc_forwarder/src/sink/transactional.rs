@@ -413,6 +413,9 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             }
             _ => None,
         };
+        // A deadline already past is taken at once, not at the timer's next
+        // tick (a millisecond).
+        let lingered = linger.is_some_and(|at| at <= Instant::now());
         let reporting = self.in_flight.len() > 0;
         let (kafka, arrived) = (&mut self.out.kafka, &mut self.arrived);
         let committing = &mut self.committing;
@@ -422,6 +425,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             result = async { committing.as_mut().expect("checked").future.as_mut().await }, if committing.is_some() => {
                 Ok(Step::Committed(result))
             }
+            () = std::future::ready(()), if lingered => Ok(Step::Lingered),
             () = async { tokio::time::sleep_until(linger.expect("checked").into()).await }, if linger.is_some() => {
                 Ok(Step::Lingered)
             }
