@@ -21,6 +21,7 @@
 //! keeps every record until its segment rolls, tens of thousands after a
 //! busy day), and earlier records only while no record of ours is found.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -55,16 +56,34 @@ impl ClientContext for QuietEof {
 impl ConsumerContext for QuietEof {}
 
 /// Where a forwarder's offsets live and under which key.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct OffsetStore {
     /// Bootstrap servers and raw properties (TLS, SASL).
     pub client: ClientConfig,
     pub topic: String,
     /// The forwarder's transactional id; one key per forwarder.
     pub key: String,
+    /// Readers made ready before they are needed (see [`Offsets::prepare`]).
+    ready: Arc<Mutex<Option<Readers>>>,
+}
+
+/// The offsets topic's two readers, each connected and knowing the topic:
+/// read committed, and read uncommitted for the high watermark.
+struct Readers {
+    committed: BaseConsumer<QuietEof>,
+    raw: BaseConsumer<QuietEof>,
 }
 
 impl OffsetStore {
+    pub fn new(client: ClientConfig, topic: String, key: String) -> Self {
+        OffsetStore {
+            client,
+            topic,
+            key,
+            ready: Arc::default(),
+        }
+    }
+
     /// Creates the compacted offsets topic when it is missing.
     pub async fn ensure_topic(&self) -> Result<()> {
         let admin: AdminClient<DefaultClientContext> = self.client.create()?;
@@ -96,9 +115,16 @@ impl OffsetStore {
             .map_err(|e| Error::Setup(format!("offset reader panicked: {e}")))?
     }
 
-    /// Reads the last committed offset (blocking; call off the async workers).
-    pub fn load(&self, timeout: Duration) -> Result<Option<Stored>> {
-        let deadline = Instant::now() + timeout;
+    /// Makes the readers ready ahead of [`Self::load`], which then only
+    /// reads: connecting them takes tens of milliseconds. Blocking.
+    fn get_ready(&self) -> Result<()> {
+        let readers = self.readers()?;
+        *self.ready.lock().unwrap_or_else(|e| e.into_inner()) = Some(readers);
+        Ok(())
+    }
+
+    /// Two new readers, connected, knowing the topic. Blocking.
+    fn readers(&self) -> Result<Readers> {
         let config = |isolation: &str| {
             self.client
                 .clone()
@@ -111,16 +137,28 @@ impl OffsetStore {
                 .set("fetch.wait.max.ms", "10")
                 .clone()
         };
-        let committed: BaseConsumer<QuietEof> =
-            config("read_committed").create_with_context(QuietEof)?;
-        let raw: BaseConsumer<QuietEof> =
-            config("read_uncommitted").create_with_context(QuietEof)?;
-
+        let readers = Readers {
+            committed: config("read_committed").create_with_context(QuietEof)?,
+            raw: config("read_uncommitted").create_with_context(QuietEof)?,
+        };
         // Each reader learns the topic first: librdkafka looks up a topic
         // it has not seen, when a partition of it is assigned or queried,
         // only at its next scan, up to a second later.
-        committed.fetch_metadata(Some(&self.topic), Duration::from_secs(10))?;
-        let metadata = raw.fetch_metadata(Some(&self.topic), Duration::from_secs(10))?;
+        for reader in [&readers.committed, &readers.raw] {
+            reader.fetch_metadata(Some(&self.topic), METADATA_TIMEOUT)?;
+        }
+        Ok(readers)
+    }
+
+    /// Reads the last committed offset (blocking; call off the async workers).
+    pub fn load(&self, timeout: Duration) -> Result<Option<Stored>> {
+        let deadline = Instant::now() + timeout;
+        let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Readers { committed, raw } = match ready {
+            Some(readers) => readers,
+            None => self.readers()?,
+        };
+        let metadata = raw.fetch_metadata(Some(&self.topic), METADATA_TIMEOUT)?;
         let partitions: Vec<i32> = metadata
             .topics()
             .iter()
@@ -128,7 +166,7 @@ impl OffsetStore {
             .collect();
         let mut found: Option<Stored> = None;
         for p in partitions {
-            let (low, high) = raw.fetch_watermarks(&self.topic, p, Duration::from_secs(10))?;
+            let (low, high) = raw.fetch_watermarks(&self.topic, p, METADATA_TIMEOUT)?;
             // The newest record of ours is near the end; until compaction
             // the partition holds every commit ever made. Read ever longer
             // tails until one has a record of ours or the tail is it all.
@@ -203,6 +241,9 @@ impl OffsetStore {
     }
 }
 
+/// How long a metadata or watermark request of the readers may take.
+const METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How many records at the end of a partition are read first.
 const TAIL_RECORDS: i64 = 256;
 
@@ -250,8 +291,9 @@ pub fn decode(value: &[u8]) -> Option<Stored> {
 pub trait Offsets {
     /// Topic and key of the offset records.
     fn address(&self) -> (&str, &str);
-    /// Creates the (compacted) topic when it is missing.
-    async fn ensure_topic(&self) -> Result<()>;
+    /// Creates the (compacted) topic when it is missing and gets ready to
+    /// read it; called before the slot is held.
+    async fn prepare(&self) -> Result<()>;
     /// The last committed offset record, if any.
     async fn stored(&self) -> Result<Option<Stored>>;
 }
@@ -264,8 +306,12 @@ impl Offsets for OffsetStore {
         (&self.topic, &self.key)
     }
 
-    async fn ensure_topic(&self) -> Result<()> {
-        OffsetStore::ensure_topic(self).await
+    async fn prepare(&self) -> Result<()> {
+        self.ensure_topic().await?;
+        let store = self.clone();
+        tokio::task::spawn_blocking(move || store.get_ready())
+            .await
+            .map_err(|e| Error::Setup(format!("offset reader panicked: {e}")))?
     }
 
     async fn stored(&self) -> Result<Option<Stored>> {

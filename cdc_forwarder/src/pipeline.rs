@@ -172,11 +172,11 @@ async fn session(
             session.serve(sink, shutdown).await
         }
         Delivery::ExactlyOnce => {
-            let offsets = OffsetStore {
-                client: config.kafka_client(),
-                topic: config.offsets_topic.clone(),
-                key: config.transactional_id(),
-            };
+            let offsets = OffsetStore::new(
+                config.kafka_client(),
+                config.offsets_topic.clone(),
+                config.transactional_id(),
+            );
             let batching = Batching {
                 max_events: config.batch_max_events,
                 linger: config.batch_linger,
@@ -287,14 +287,16 @@ impl Session<'_> {
         }
         stream.start(&config.slot).await?;
         // Holding the slot now: where is Kafka?
+        let claiming = Instant::now();
         let stored = sink.claim().await?;
+        let claim_ms = claiming.elapsed().as_millis();
         let mut source = SlotSource::new(stream, stored.unwrap_or(Lsn::ZERO));
         if let Some(stored) = stored {
             source.confirm(stored);
             tracing::info!(stored_offset = %stored, "resuming after the stored offset");
         }
         self.metrics.set_state(State::Streaming);
-        tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, "streaming");
+        tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, claim_ms, "streaming");
         let mut recorded = Lsn::ZERO;
         let confirmed = forward(
             &mut source,

@@ -357,7 +357,7 @@ impl Offsets for MemoryOffsets {
         (OFFSETS_TOPIC, "key")
     }
 
-    async fn ensure_topic(&self) -> Result<()> {
+    async fn prepare(&self) -> Result<()> {
         Ok(())
     }
 

@@ -327,7 +327,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     type Step = Step;
 
     async fn prepare(&mut self) -> Result<()> {
-        self.offsets.ensure_topic().await
+        self.offsets.prepare().await
     }
 
     async fn claim(&mut self) -> Result<Option<Lsn>> {
