@@ -578,6 +578,8 @@ pub struct Reader {
     /// long broker outage starts over from the earliest offset, and reading
     /// a record again is not Kafka holding it twice.
     read: std::collections::HashSet<(String, i32, i64)>,
+    /// When a consumer error was last printed.
+    error_printed: Option<Instant>,
 }
 
 impl Reader {
@@ -595,6 +597,7 @@ impl Reader {
             consumer,
             records: Vec::new(),
             read: std::collections::HashSet::new(),
+            error_printed: None,
         }
     }
 
@@ -698,9 +701,22 @@ impl Reader {
     /// Waits up to `wait` for one record and keeps it.
     pub async fn poll(&mut self, wait: Duration) {
         // An error (a topic that does not exist yet) is not a record: the
-        // consumer keeps asking.
-        let Ok(Ok(message)) = tokio::time::timeout(wait, self.consumer.recv()).await else {
-            return;
+        // consumer keeps asking. It is printed, at most every 10 s, so that
+        // a consumer stuck in an error looks different from one with
+        // nothing to read.
+        let message = match tokio::time::timeout(wait, self.consumer.recv()).await {
+            Ok(Ok(message)) => message,
+            Ok(Err(error)) => {
+                if self
+                    .error_printed
+                    .is_none_or(|at| at.elapsed() > Duration::from_secs(10))
+                {
+                    eprintln!("reader: {error}");
+                    self.error_printed = Some(Instant::now());
+                }
+                return;
+            }
+            Err(_) => return,
         };
         let text = |b: Option<&[u8]>| {
             b.map(|v| String::from_utf8_lossy(v).into_owned())
