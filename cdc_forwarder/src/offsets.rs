@@ -72,6 +72,8 @@ pub struct OffsetStore {
 struct Readers {
     committed: BaseConsumer<QuietEof>,
     raw: BaseConsumer<QuietEof>,
+    /// The topic's partitions, as the readers learned them.
+    partitions: Vec<i32>,
 }
 
 impl OffsetStore {
@@ -109,8 +111,16 @@ impl OffsetStore {
 
     /// [`Self::load`] on the blocking pool.
     pub async fn load_async(&self, timeout: Duration) -> Result<Option<Stored>> {
+        self.blocking(move |store| store.load(timeout)).await
+    }
+
+    /// Runs a blocking call of the readers on the blocking pool.
+    async fn blocking<T: Send + 'static>(
+        &self,
+        call: impl FnOnce(&OffsetStore) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
         let store = self.clone();
-        tokio::task::spawn_blocking(move || store.load(timeout))
+        tokio::task::spawn_blocking(move || call(&store))
             .await
             .map_err(|e| Error::Setup(format!("offset reader panicked: {e}")))?
     }
@@ -137,33 +147,40 @@ impl OffsetStore {
                 .set("fetch.wait.max.ms", "10")
                 .clone()
         };
-        let readers = Readers {
-            committed: config("read_committed").create_with_context(QuietEof)?,
-            raw: config("read_uncommitted").create_with_context(QuietEof)?,
-        };
+        let committed: BaseConsumer<QuietEof> =
+            config("read_committed").create_with_context(QuietEof)?;
+        let raw: BaseConsumer<QuietEof> =
+            config("read_uncommitted").create_with_context(QuietEof)?;
         // Each reader learns the topic first: librdkafka looks up a topic
         // it has not seen, when a partition of it is assigned or queried,
         // only at its next scan, up to a second later.
-        for reader in [&readers.committed, &readers.raw] {
-            reader.fetch_metadata(Some(&self.topic), METADATA_TIMEOUT)?;
-        }
-        Ok(readers)
+        committed.fetch_metadata(Some(&self.topic), METADATA_TIMEOUT)?;
+        let metadata = raw.fetch_metadata(Some(&self.topic), METADATA_TIMEOUT)?;
+        let partitions = metadata
+            .topics()
+            .iter()
+            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+            .collect();
+        drop(metadata);
+        Ok(Readers {
+            committed,
+            raw,
+            partitions,
+        })
     }
 
     /// Reads the last committed offset (blocking; call off the async workers).
     pub fn load(&self, timeout: Duration) -> Result<Option<Stored>> {
         let deadline = Instant::now() + timeout;
         let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let Readers { committed, raw } = match ready {
+        let Readers {
+            committed,
+            raw,
+            partitions,
+        } = match ready {
             Some(readers) => readers,
             None => self.readers()?,
         };
-        let metadata = raw.fetch_metadata(Some(&self.topic), METADATA_TIMEOUT)?;
-        let partitions: Vec<i32> = metadata
-            .topics()
-            .iter()
-            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-            .collect();
         let mut found: Option<Stored> = None;
         for p in partitions {
             let (low, high) = raw.fetch_watermarks(&self.topic, p, METADATA_TIMEOUT)?;
@@ -308,10 +325,7 @@ impl Offsets for OffsetStore {
 
     async fn prepare(&self) -> Result<()> {
         self.ensure_topic().await?;
-        let store = self.clone();
-        tokio::task::spawn_blocking(move || store.get_ready())
-            .await
-            .map_err(|e| Error::Setup(format!("offset reader panicked: {e}")))?
+        self.blocking(OffsetStore::get_ready).await
     }
 
     async fn stored(&self) -> Result<Option<Stored>> {
