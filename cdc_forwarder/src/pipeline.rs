@@ -156,6 +156,7 @@ async fn session(
     slot::prepare(&sql, config).await?;
     faults::check("producer_init");
     let out = publisher(config, router, refused, metrics).await?;
+    out.kafka.connect().await;
     let session = Session {
         config,
         sql,
@@ -204,10 +205,8 @@ async fn publisher(
     refused: Refused<'_>,
     metrics: &Arc<Metrics>,
 ) -> Result<Publisher<Producer>> {
-    let producer = Producer::new(config)?;
-    producer.connect().await;
     let out = Publisher::new(
-        producer,
+        Producer::new(config)?,
         router.clone(),
         config.dead_letter_topic.clone(),
         refused.poisoned.clone(),
