@@ -570,13 +570,20 @@ impl Record {
     }
 }
 
-/// A `read_committed` consumer of its own group, from the earliest offset.
+/// A `read_committed` consumer of every partition of its topics, from the
+/// earliest offset. It assigns the partitions itself rather than joining a
+/// group: a group consumer can stay out of its group after a broker restart
+/// (the 500-fault campaign saw one read nothing for minutes while a fresh
+/// consumer read every record), and a test's reader has no one to share with.
 pub struct Reader {
     consumer: StreamConsumer,
     pub records: Vec<Record>,
-    /// Where each record was read: a consumer that loses its group across a
-    /// long broker outage starts over from the earliest offset, and reading
-    /// a record again is not Kafka holding it twice.
+    /// Topics not yet assigned because the broker does not know them yet.
+    unassigned: Vec<String>,
+    /// When the broker was last asked about the unassigned topics.
+    looked_up: Option<Instant>,
+    /// Where each record was read: a position reset to the earliest offset
+    /// reads records again, and that is not Kafka holding them twice.
     read: std::collections::HashSet<(String, i32, i64)>,
     /// When a consumer error was last printed.
     error_printed: Option<Instant>,
@@ -592,12 +599,55 @@ impl Reader {
             .set("isolation.level", "read_committed")
             .create()
             .expect("consumer");
-        consumer.subscribe(topics).expect("subscribe");
-        Reader {
+        let mut reader = Reader {
             consumer,
             records: Vec::new(),
+            unassigned: topics.iter().map(|t| t.to_string()).collect(),
+            looked_up: None,
             read: std::collections::HashSet::new(),
             error_printed: None,
+        };
+        reader.assign_known_topics();
+        reader
+    }
+
+    /// Assigns every partition of each topic the broker now knows, from the
+    /// earliest offset; a topic it does not know yet is asked about again
+    /// at the next poll, at most twice a second.
+    fn assign_known_topics(&mut self) {
+        if self.unassigned.is_empty()
+            || self
+                .looked_up
+                .is_some_and(|at| at.elapsed() < Duration::from_millis(500))
+        {
+            return;
+        }
+        self.looked_up = Some(Instant::now());
+        let mut assignment = rdkafka::TopicPartitionList::new();
+        self.unassigned.retain(|topic| {
+            let Ok(metadata) = self
+                .consumer
+                .fetch_metadata(Some(topic), Duration::from_secs(2))
+            else {
+                return true;
+            };
+            let partitions: Vec<i32> = metadata
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none())
+                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+                .collect();
+            for &partition in &partitions {
+                assignment
+                    .add_partition_offset(topic, partition, rdkafka::Offset::Beginning)
+                    .expect("partition offset");
+            }
+            partitions.is_empty()
+        });
+        if assignment.count() > 0 {
+            self.consumer
+                .incremental_assign(&assignment)
+                .expect("assign partitions");
         }
     }
 
@@ -704,6 +754,7 @@ impl Reader {
         // consumer keeps asking. It is printed, at most every 10 s, so that
         // a consumer stuck in an error looks different from one with
         // nothing to read.
+        self.assign_known_topics();
         let message = match tokio::time::timeout(wait, self.consumer.recv()).await {
             Ok(Ok(message)) => message,
             Ok(Err(error)) => {
