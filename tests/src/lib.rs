@@ -15,6 +15,7 @@ use rand::Rng;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::error::KafkaResult;
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
 use tokio::process::{Child, Command};
@@ -593,6 +594,8 @@ impl Reader {
     pub fn new(stack: &Stack, topics: &[&str]) -> Reader {
         let consumer: StreamConsumer = ClientConfig::new()
             .set("bootstrap.servers", &stack.kafka)
+            // librdkafka's incremental assign wants a group id, though no
+            // group is joined.
             .set("group.id", unique("reader"))
             .set("auto.offset.reset", "earliest")
             .set("enable.auto.commit", "false")
@@ -624,19 +627,11 @@ impl Reader {
         }
         self.looked_up = Some(Instant::now());
         let mut assignment = rdkafka::TopicPartitionList::new();
-        self.unassigned.retain(|topic| {
-            let Ok(metadata) = self
-                .consumer
-                .fetch_metadata(Some(topic), Duration::from_secs(2))
-            else {
+        let mut unassigned = std::mem::take(&mut self.unassigned);
+        unassigned.retain(|topic| {
+            let Ok(partitions) = self.partitions(topic, Duration::from_secs(2)) else {
                 return true;
             };
-            let partitions: Vec<i32> = metadata
-                .topics()
-                .iter()
-                .filter(|t| t.error().is_none())
-                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-                .collect();
             for &partition in &partitions {
                 assignment
                     .add_partition_offset(topic, partition, rdkafka::Offset::Beginning)
@@ -644,6 +639,7 @@ impl Reader {
             }
             partitions.is_empty()
         });
+        self.unassigned = unassigned;
         if assignment.count() > 0 {
             self.consumer
                 .incremental_assign(&assignment)
@@ -706,22 +702,27 @@ impl Reader {
         }
     }
 
+    /// The partitions of `topic` the broker knows (none for a topic it does
+    /// not know).
+    fn partitions(&self, topic: &str, timeout: Duration) -> KafkaResult<Vec<i32>> {
+        let metadata = self.consumer.fetch_metadata(Some(topic), timeout)?;
+        Ok(metadata
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none())
+            .flat_map(|t| t.partitions().iter().map(|p| p.id()))
+            .collect())
+    }
+
     /// Reads until this consumer's position has reached the end of every
     /// partition of `topics` as it stands now (for read_committed, the last
     /// stable offset): nothing written before this call is left unread.
     pub async fn read_to_end(&mut self, topics: &[&str], timeout: Duration) {
         let mut ends = Vec::new();
         for topic in topics {
-            let metadata = self
-                .consumer
-                .fetch_metadata(Some(topic), Duration::from_secs(10))
+            let partitions = self
+                .partitions(topic, Duration::from_secs(10))
                 .expect("metadata");
-            let partitions: Vec<i32> = metadata
-                .topics()
-                .iter()
-                .flat_map(|t| t.partitions().iter().map(|p| p.id()))
-                .collect();
-            drop(metadata);
             for partition in partitions {
                 let high = self.high_watermark(topic, partition, timeout).await;
                 ends.push((topic.to_string(), partition, high));
@@ -750,10 +751,10 @@ impl Reader {
 
     /// Waits up to `wait` for one record and keeps it.
     pub async fn poll(&mut self, wait: Duration) {
-        // An error (a topic that does not exist yet) is not a record: the
-        // consumer keeps asking. It is printed, at most every 10 s, so that
-        // a consumer stuck in an error looks different from one with
-        // nothing to read.
+        // An error (a broker that is down) is not a record: the consumer
+        // keeps asking. It is printed, at most every 10 s, so that a
+        // consumer stuck in an error looks different from one with nothing
+        // to read.
         self.assign_known_topics();
         let message = match tokio::time::timeout(wait, self.consumer.recv()).await {
             Ok(Ok(message)) => message,
