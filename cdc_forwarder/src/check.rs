@@ -158,16 +158,7 @@ async fn postgres(config: &Config) -> Vec<Check> {
             ),
         ),
     });
-    checks.push(
-        match one("SELECT pg_has_role(current_user, 'outbox_relay', 'MEMBER')").await {
-            Ok(row) if row.get::<_, bool>(0) => Check::ok("privileges", "member of outbox_relay"),
-            Ok(_) => Check::fail(
-                "privileges",
-                format!("run GRANT outbox_relay TO {}", config.postgres.user()),
-            ),
-            Err(e) => Check::fail("privileges", format!("{e}; is the extension installed?")),
-        },
-    );
+    checks.push(privileges(&client, config).await);
     if config.dead_letter_topic.is_some() && config.park_aggregates {
         checks.push(parked(&client).await);
     }
@@ -289,6 +280,52 @@ async fn polling(client: &tokio_postgres::Client) -> Check {
 /// Whether the slot survives a promotion of a standby: on 17 and later a
 /// failover slot, kept in step on standbys that synchronise slots, which
 /// the primary waits for when `synchronized_standby_slots` names them.
+/// Whether the login holds this database's relay role: the role granted
+/// EXECUTE on `outbox.ensure_publication`, read from pg_catalog, which needs
+/// no privilege on schema outbox. Warns while the relay role is still held
+/// by `outbox_relay`, the cluster-wide role of releases before 0.7.0, whose
+/// members reach every database's outbox.
+async fn privileges(client: &tokio_postgres::Client, config: &Config) -> Check {
+    let rows = client
+        .query(
+            "SELECT a.grantee::regrole::text, pg_has_role(current_user, a.grantee, 'USAGE'),
+                    coalesce(a.grantee <> to_regrole('outbox_relay')
+                             AND pg_has_role(to_regrole('outbox_relay')::oid, a.grantee, 'MEMBER'), false)
+               FROM pg_proc p, aclexplode(p.proacl) a
+              WHERE p.pronamespace = to_regnamespace('outbox') AND p.proname = 'ensure_publication'
+                AND a.privilege_type = 'EXECUTE' AND a.grantee <> p.proowner",
+            &[],
+        )
+        .await;
+    let rows = match rows {
+        Ok(rows) if !rows.is_empty() => rows,
+        Ok(_) => {
+            return Check::fail(
+                "privileges",
+                "no relay role is granted in schema outbox; is the extension installed?",
+            )
+        }
+        Err(e) => return Check::fail("privileges", e.to_string()),
+    };
+    let user = config.postgres.user();
+    let role: String = rows[0].get(0);
+    let Some(held) = rows.iter().find(|row| row.get::<_, bool>(1)) else {
+        return Check::fail("privileges", format!("run GRANT {role} TO {user}"));
+    };
+    let role: String = held.get(0);
+    if held.get::<_, bool>(2) {
+        return Check::warn(
+            "privileges",
+            format!(
+                "member of {role}, which the cluster-wide role outbox_relay still holds: its members reach this \
+                 database's outbox from every database's login; once the relays of this database hold {role}, \
+                 run REVOKE {role} FROM outbox_relay"
+            ),
+        );
+    }
+    Check::ok("privileges", format!("member of {role}"))
+}
+
 async fn failover(client: &tokio_postgres::Client, config: &Config) -> Check {
     let row = match client
         .query_one(

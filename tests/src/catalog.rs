@@ -3,8 +3,9 @@
 //! what defines it (signatures, defaults, volatility, strictness, parallel
 //! safety, SECURITY DEFINER, pinned settings, privileges, comments, columns,
 //! collations, indexes, constraints, triggers) and the outbox roles.
-//! Privileges name the schema's owner `OWNER`, so that installs made by
-//! different roles compare equal.
+//! Privileges name the schema's owner `OWNER` and each of the database's
+//! outbox roles by its purpose (`writer`, ...), so that installs made by
+//! different roles, in databases of different names, compare equal.
 
 use tokio_postgres::Client;
 
@@ -20,6 +21,13 @@ pub async fn describe(client: &Client) -> Vec<String> {
         .await
         .expect("schema outbox exists")
         .get(0);
+    let purposes: std::collections::BTreeMap<String, String> = client
+        .query("SELECT role::text, purpose FROM outbox.roles", &[])
+        .await
+        .expect("outbox.roles")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect();
     let acl = |items: Option<Vec<String>>| -> String {
         let Some(items) = items else {
             return "default".into();
@@ -32,6 +40,8 @@ pub async fn describe(client: &Client) -> Vec<String> {
                 let name = |role: &str| {
                     if role == owner {
                         "OWNER".to_owned()
+                    } else if let Some(purpose) = purposes.get(role) {
+                        purpose.to_uppercase()
                     } else if role.is_empty() {
                         "PUBLIC".to_owned()
                     } else {
@@ -57,7 +67,7 @@ pub async fn describe(client: &Client) -> Vec<String> {
     for row in client
         .query(
             "SELECT 'function ' || p.oid::regprocedure || ' (' || pg_get_function_arguments(p.oid) || ') returns '
-                    || pg_get_function_result(p.oid) || ' kind ' || p.prokind::text || ' volatility ' || p.provolatile::text
+                    || coalesce(pg_get_function_result(p.oid), '-') || ' kind ' || p.prokind::text || ' volatility ' || p.provolatile::text
                     || ' strict ' || p.proisstrict || ' parallel ' || p.proparallel::text || ' definer ' || p.prosecdef
                     || ' leakproof ' || p.proleakproof || ' comment ' || coalesce(obj_description(p.oid, 'pg_proc'), '-'),
                     p.proacl::text[],
@@ -118,8 +128,8 @@ pub async fn describe(client: &Client) -> Vec<String> {
           FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
          WHERE c.relnamespace = 'outbox'::regnamespace AND NOT t.tgisinternal
         UNION ALL
-        SELECT 'role ' || rolname || ' login ' || rolcanlogin || ' inherit ' || rolinherit
-          FROM pg_roles WHERE rolname IN ('outbox_writer', 'outbox_relay', 'outbox_consumer')";
+        SELECT 'role ' || o.purpose || ' login ' || r.rolcanlogin || ' inherit ' || r.rolinherit
+          FROM outbox.roles o JOIN pg_roles r ON r.oid = o.role";
     for row in client.query(text_of, &[]).await.expect("describe") {
         lines.push(row.get(0));
     }

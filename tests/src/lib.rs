@@ -266,7 +266,32 @@ impl TestDb {
                 install_sql_edition(&with_database(&db.stack.owner_url, &db.name)).await;
             }
         }
+        // The forwarder's login gets this database's relay role, from the
+        // role that installed the outbox, as an operator would give it.
+        let relay = db.role("relay").await;
+        db.admin()
+            .await
+            .batch_execute(&format!(
+                "GRANT {relay} TO {}",
+                user_of(&db.stack.forwarder_url)
+            ))
+            .await
+            .expect("grant the relay role to the forwarder");
         db
+    }
+
+    /// The name of this database's outbox role of `purpose` (writer, relay,
+    /// consumer, schema_admin), as `outbox.roles` names it.
+    pub async fn role(&self, purpose: &str) -> String {
+        self.superuser()
+            .await
+            .query_one(
+                "SELECT role::text FROM outbox.roles WHERE purpose = $1",
+                &[&purpose],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("outbox.roles names the {purpose} role: {e}"))
+            .get(0)
     }
 
     /// A new connection to this database as the role that installed the
@@ -410,8 +435,18 @@ impl TestDb {
         }
     }
 
-    /// Drops the slot and the database. Call at the end of a test.
+    /// Drops the slot, the database and its outbox roles. Call at the end
+    /// of a test.
     pub async fn drop(self) {
+        let roles: Vec<String> =
+            match try_connect(&with_database(&self.stack.admin_url, &self.name)).await {
+                Ok(client) => client
+                    .query("SELECT role::text FROM outbox.roles", &[])
+                    .await
+                    .map(|rows| rows.iter().map(|row| row.get(0)).collect())
+                    .unwrap_or_default(),
+                Err(_) => Vec::new(),
+            };
         let admin = connect(&self.stack.admin_url).await;
         let _maybe_missing = admin
             .execute(
@@ -425,6 +460,10 @@ impl TestDb {
                 self.name
             ))
             .await;
+        for role in roles {
+            // Left to `scripts/stack clean` while the database is still there.
+            let _in_use = admin.batch_execute(&format!("DROP ROLE {role}")).await;
+        }
     }
 }
 

@@ -445,7 +445,7 @@ async fn only_schema_admins_register_and_writers_reach_schemas_through_the_funct
     let db = TestDb::create("contracts_roles").await;
     let admin = db.admin().await;
     let mut roles = Vec::new();
-    let mut login = |group: &'static str| {
+    let mut login = |group: String| {
         let name = unique("role");
         roles.push(name.clone());
         let admin = &admin;
@@ -465,8 +465,8 @@ async fn only_schema_admins_register_and_writers_reach_schemas_through_the_funct
             connect(&url).await
         }
     };
-    let writer = login("outbox_writer").await;
-    let schema_admin = login("outbox_schema_admin").await;
+    let writer = login(db.role("writer").await).await;
+    let schema_admin = login(db.role("schema_admin").await).await;
 
     assert!(register(&schema_admin, "OrderPlaced", 1, ORDER_PLACED).await);
     schema_admin

@@ -67,6 +67,6 @@ fn the_images_build_like_the_setup_script() {
     let init = repo_file("docker/initdb/10-pg_outbox.sh");
     assert!(
         init.contains("CREATE EXTENSION IF NOT EXISTS pg_outbox")
-            && init.contains("IN ROLE outbox_relay")
+            && init.contains("FROM outbox.roles WHERE purpose = 'relay'")
     );
 }

@@ -185,12 +185,13 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
     let topic = db.create_topic("ledger", 3).await;
     let forwarder = Forwarder::spawn(&db, EOS);
     db.wait_slot_active(WAIT).await;
-    // The application: a login with outbox_writer only, before and after.
+    // The application: a login with the writer role only, before and after.
     let app = unique("app");
     let admin = connect(&db.stack.admin_url).await;
     admin
         .batch_execute(&format!(
-            "CREATE ROLE {app} LOGIN PASSWORD 'pw' IN ROLE outbox_writer"
+            "CREATE ROLE {app} LOGIN PASSWORD 'pw' IN ROLE {}",
+            db.role("writer").await
         ))
         .await
         .expect("application role");

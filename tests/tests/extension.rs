@@ -158,7 +158,7 @@ async fn drop_roles(db: &TestDb, roles: &[&str]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_can_emit_but_never_touch_the_tables() {
     let db = TestDb::create("privileges").await;
-    let (app, client) = login_role(&db, "outbox_writer").await;
+    let (app, client) = login_role(&db, &db.role("writer").await).await;
 
     let row = client
         .query_one(
@@ -202,8 +202,9 @@ async fn an_application_can_emit_but_never_touch_the_tables() {
     assert_eq!(row.get::<_, i64>(0), 1);
 
     // Inbox: a consumer's rows are reachable only by members of its owner.
-    let (billing, billing_client) = login_role(&db, "outbox_consumer").await;
-    let (shipping, shipping_client) = login_role(&db, "outbox_consumer").await;
+    let consumer = db.role("consumer").await;
+    let (billing, billing_client) = login_role(&db, &consumer).await;
+    let (shipping, shipping_client) = login_role(&db, &consumer).await;
     let admin = db.admin().await;
     admin
         .execute(
@@ -1168,7 +1169,7 @@ async fn a_callers_search_path_cannot_lend_functions_to_the_extension() {
     // the functions the validation uses, each of which would raise. None
     // of them may run, on any path of emit_event or of the other functions.
     let db = TestDb::create("search_path").await;
-    let (app, client) = login_role(&db, "outbox_writer").await;
+    let (app, client) = login_role(&db, &db.role("writer").await).await;
     db.admin()
         .await
         .batch_execute(&format!("GRANT CREATE ON DATABASE {} TO {app}", db.name))

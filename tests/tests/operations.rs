@@ -73,7 +73,7 @@ async fn check_passes_on_a_prepared_database_and_status_parses() {
 async fn each_misconfiguration_gives_one_clear_line_and_a_nonzero_exit() {
     let db = TestDb::create("cli_bad").await;
     let admin = db.admin().await;
-    // A replication role without the outbox_relay grant.
+    // A replication role without the database's relay role.
     let bare = unique("bare");
     admin
         .batch_execute(&format!(
@@ -92,6 +92,7 @@ async fn each_misconfiguration_gives_one_clear_line_and_a_nonzero_exit() {
         .await
         .expect("db");
 
+    let grant_relay = format!("GRANT {} TO {bare}", db.role("relay").await);
     let wrong_password = db.forwarder_url().replacen(":forwarder@", ":wrong@", 1);
     let no_ext_url = with_database(&db.stack.forwarder_url, &no_extension);
     let cases: Vec<(&str, Vec<&str>, &str)> = vec![
@@ -126,7 +127,7 @@ async fn each_misconfiguration_gives_one_clear_line_and_a_nonzero_exit() {
                 "--kafka-bootstrap",
                 &db.stack.kafka,
             ],
-            "GRANT outbox_relay",
+            &grant_relay,
         ),
         (
             "extension missing",

@@ -17,17 +17,19 @@ const WAIT: Duration = Duration::from_secs(90);
 /// Short leases, so that takeovers happen within the test.
 const LEASE_MS: &str = "1500";
 
-/// A login with outbox_relay and nothing else: no REPLICATION.
+/// A login with the database's relay role and nothing else: no REPLICATION.
 async fn poller_url(db: &TestDb) -> String {
     db.superuser()
         .await
-        .batch_execute(
+        .batch_execute(&format!(
             "DO $$ BEGIN
                 IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_poller') THEN
-                    CREATE ROLE outbox_poller LOGIN NOREPLICATION PASSWORD 'poller' IN ROLE outbox_relay;
+                    CREATE ROLE outbox_poller LOGIN NOREPLICATION PASSWORD 'poller';
                 END IF;
-             END $$",
-        )
+             END $$;
+             GRANT {} TO outbox_poller",
+            db.role("relay").await
+        ))
         .await
         .expect("poller role");
     let url = with_database(&db.stack.forwarder_url, &db.name);
