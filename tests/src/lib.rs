@@ -196,6 +196,29 @@ pub async fn psql_file(url: &str, file: &std::path::Path) -> (bool, String) {
     )
 }
 
+/// A released SQL edition, `version`, as of `commit` (the last commit whose
+/// sql/pg_outbox_sql.sql is that release), read from git history into a
+/// temporary file that the caller removes.
+pub fn released_sql_edition(commit: &str, version: &str) -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let released = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&root)
+        .args(["show", &format!("{commit}:sql/pg_outbox_sql.sql")])
+        .output()
+        .expect("git show a released SQL edition");
+    assert!(
+        released.status.success(),
+        "the released {version} edition is read from git history: {}",
+        String::from_utf8_lossy(&released.stderr)
+    );
+    let file = std::env::temp_dir()
+        .join(unique(&format!("edition_{}", version.replace('.', "_"))))
+        .with_extension("sql");
+    std::fs::write(&file, &released.stdout).expect("write the released edition");
+    file
+}
+
 /// Installs the SQL edition into the database of `url`, as its README says.
 pub async fn install_sql_edition(url: &str) {
     let (ok, stderr) = psql_file(url, &sql_edition_file()).await;

@@ -1396,24 +1396,7 @@ async fn the_released_0_4_0_sql_edition_upgrades_to_todays_in_place() {
         return;
     }
     let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let released = std::process::Command::new("git")
-        .arg("-C")
-        .arg(&root)
-        .args([
-            "show",
-            &format!("{RELEASED_0_4_0_EDITION}:sql/pg_outbox_sql.sql"),
-        ])
-        .output()
-        .expect("git show the released 0.4.0 edition");
-    assert!(
-        released.status.success(),
-        "the released 0.4.0 edition is read from git history: {}",
-        String::from_utf8_lossy(&released.stderr)
-    );
-    let file = std::env::temp_dir()
-        .join(unique("edition_0_4_0"))
-        .with_extension("sql");
-    std::fs::write(&file, &released.stdout).expect("write the 0.4.0 edition");
+    let file = pg_outbox_tests::released_sql_edition(RELEASED_0_4_0_EDITION, "0.4.0");
 
     let stack = pg_outbox_tests::Stack::from_env();
     let owner = pg_outbox_tests::user_of(&stack.owner_url).to_owned();

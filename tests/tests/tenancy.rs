@@ -144,6 +144,16 @@ async fn events_in(stack: &Stack, db: &str) -> i64 {
         .get(0)
 }
 
+/// The sequence number of the event that `login` emits into `db`.
+async fn emit_as(stack: &Stack, login: &str, db: &str) -> i64 {
+    connect(&url_of(stack, login, db))
+        .await
+        .query_one(EMIT, &[])
+        .await
+        .unwrap_or_else(|e| panic!("{login} emits into {db}: {e}"))
+        .get(0)
+}
+
 /// What a relay login does: read events, call the relay functions.
 const RELAY_CALLS: [&str; 5] = [
     "SELECT count(*) FROM outbox.events",
@@ -158,13 +168,7 @@ async fn roles_stay_in_their_database(edition: Edition) {
     let version = server_version(&superuser(&stack, "postgres").await).await;
     let (a, b) = (tenant(&stack, edition).await, tenant(&stack, edition).await);
     for (own, other) in [(&a, &b), (&b, &a)] {
-        let app_home = connect(&url_of(&stack, &own.app, &own.db)).await;
-        let seq: i64 = app_home
-            .query_one(EMIT, &[])
-            .await
-            .expect("emit at home")
-            .get(0);
-        assert_eq!(seq, 1);
+        assert_eq!(emit_as(&stack, &own.app, &own.db).await, 1, "emit at home");
 
         let before = events_in(&stack, &other.db).await;
         let app_away = connect(&url_of(&stack, &own.app, &other.db)).await;
@@ -363,24 +367,7 @@ async fn install_0_6_0(stack: &Stack, edition: Edition) -> Install {
             .await
             .expect("install 0.6.0"),
         Edition::Sql => {
-            let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-            let released = std::process::Command::new("git")
-                .arg("-C")
-                .arg(&root)
-                .args([
-                    "show",
-                    &format!("{RELEASED_0_6_0_EDITION}:sql/pg_outbox_sql.sql"),
-                ])
-                .output()
-                .expect("git show the released 0.6.0 edition");
-            assert!(
-                released.status.success(),
-                "the released 0.6.0 edition is read from git history"
-            );
-            let file = std::env::temp_dir()
-                .join(unique("edition_0_6_0"))
-                .with_extension("sql");
-            std::fs::write(&file, &released.stdout).expect("write the 0.6.0 edition");
+            let file = pg_outbox_tests::released_sql_edition(RELEASED_0_6_0_EDITION, "0.6.0");
             let (ok, stderr) = psql_file(&url_of(stack, &owner, &db), &file).await;
             assert!(ok, "install the 0.6.0 edition: {stderr}");
             let _ = std::fs::remove_file(&file);
@@ -426,13 +413,7 @@ async fn an_install_with_shared_roles_upgrades(edition: Edition) {
         ))
         .await
         .expect("logins of the shared roles");
-    let seq: i64 = connect(&url_of(&stack, &app, &old.db))
-        .await
-        .query_one(EMIT, &[])
-        .await
-        .expect("emit on 0.6.0")
-        .get(0);
-    assert_eq!(seq, 1);
+    assert_eq!(emit_as(&stack, &app, &old.db).await, 1, "emit on 0.6.0");
 
     match edition {
         Edition::Extension => superuser(&stack, &old.db)
@@ -463,13 +444,11 @@ async fn an_install_with_shared_roles_upgrades(edition: Edition) {
     // The logins of the shared roles work on, through them.
     let writer_role = role(&stack, &old.db, "writer").await;
     let relay_role = role(&stack, &old.db, "relay").await;
-    let seq: i64 = connect(&url_of(&stack, &app, &old.db))
-        .await
-        .query_one(EMIT, &[])
-        .await
-        .expect("emit after the upgrade")
-        .get(0);
-    assert_eq!(seq, 2);
+    assert_eq!(
+        emit_as(&stack, &app, &old.db).await,
+        2,
+        "emit after the upgrade"
+    );
     let relay_client = connect(&url_of(&stack, &relay, &old.db)).await;
     for call in RELAY_CALLS {
         let result = relay_client.query(call, &[]).await;
@@ -505,13 +484,11 @@ async fn an_install_with_shared_roles_upgrades(edition: Edition) {
         .await
         .expect("the operator closes the database");
 
-    let seq: i64 = connect(&url_of(&stack, &app, &old.db))
-        .await
-        .query_one(EMIT, &[])
-        .await
-        .expect("emit through the database's role")
-        .get(0);
-    assert_eq!(seq, 3);
+    assert_eq!(
+        emit_as(&stack, &app, &old.db).await,
+        3,
+        "emit through the database's role"
+    );
     let refused = connect(&url_of(&stack, &stranger, &old.db))
         .await
         .query(EMIT, &[])
