@@ -159,6 +159,7 @@ async fn postgres(config: &Config) -> Vec<Check> {
         ),
     });
     checks.push(privileges(&client, config).await);
+    checks.push(connect_privilege(&client).await);
     if config.dead_letter_topic.is_some() && config.park_aggregates {
         checks.push(parked(&client).await);
     }
@@ -324,6 +325,42 @@ async fn privileges(client: &tokio_postgres::Client, config: &Config) -> Check {
         );
     }
     Check::ok("privileges", format!("member of {role}"))
+}
+
+/// Whether logins of other databases may connect here. The outbox's roles
+/// keep other databases' logins out of its tables and functions, but a
+/// login with REPLICATION may create a slot in any database it can connect
+/// to and decode the events through the publication: PostgreSQL checks no
+/// table privilege there. Only CONNECT stops it, and the install granted
+/// CONNECT to the database's outbox roles so that PUBLIC's can go.
+async fn connect_privilege(client: &tokio_postgres::Client) -> Check {
+    let row = client
+        .query_one(
+            "SELECT current_database()::text, has_database_privilege('public', current_database(), 'CONNECT')",
+            &[],
+        )
+        .await;
+    match row {
+        Ok(row) if row.get::<_, bool>(1) => {
+            let database: String = row.get(0);
+            Check::warn(
+                "connect",
+                format!(
+                    "every role may connect to {database}, so any login with REPLICATION on this cluster can \
+                     create a slot here and read the outbox's events; run REVOKE CONNECT ON DATABASE {database} \
+                     FROM PUBLIC (its outbox roles keep CONNECT)"
+                ),
+            )
+        }
+        Ok(row) => Check::ok(
+            "connect",
+            format!(
+                "only roles granted CONNECT may connect to {}",
+                row.get::<_, String>(0)
+            ),
+        ),
+        Err(e) => Check::fail("connect", e.to_string()),
+    }
 }
 
 async fn failover(client: &tokio_postgres::Client, config: &Config) -> Check {

@@ -32,6 +32,25 @@ async fn run_cli(command: &[&str], args: &[String]) -> (i32, String, String) {
 async fn check_passes_on_a_prepared_database_and_status_parses() {
     let db = TestDb::create("cli_ok").await;
     let args = base_args(&db);
+    // PostgreSQL's default lets every role connect: a warning, not a failure.
+    let (code, out, _) = run_cli(&["check"], &args).await;
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("warn")
+            && l.contains(&format!(
+                "REVOKE CONNECT ON DATABASE {} FROM PUBLIC",
+                db.name
+            ))),
+        "{out}"
+    );
+    db.superuser()
+        .await
+        .batch_execute(&format!(
+            "REVOKE CONNECT ON DATABASE {} FROM PUBLIC",
+            db.name
+        ))
+        .await
+        .expect("revoke CONNECT from PUBLIC");
     let (code, out, _) = run_cli(&["check"], &args).await;
     assert_eq!(code, 0, "{out}");
     assert!(

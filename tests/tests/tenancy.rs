@@ -209,9 +209,27 @@ async fn roles_stay_in_their_database(edition: Edition) {
         }
     }
 
-    // The owner may close its database to other databases' logins: the
-    // install granted CONNECT to the database's roles, so its own logins
-    // still come in.
+    // A login with REPLICATION may create a slot in any database it can
+    // connect to and decode the events there, whatever the outbox's roles:
+    // check says so while every role may connect. The owner closes its
+    // database to other databases' logins: the install granted CONNECT to
+    // the database's roles, so its own logins still come in.
+    let b_relay_url = url_of(&stack, &b.relay, &b.db);
+    let line = check_line(&stack, &b_relay_url, "connect").await;
+    assert!(
+        line.starts_with("warn")
+            && line.contains(&format!("REVOKE CONNECT ON DATABASE {} FROM PUBLIC", b.db)),
+        "{line}"
+    );
+    let replicator = unique("replicator");
+    superuser(&stack, "postgres")
+        .await
+        .batch_execute(&format!(
+            "CREATE ROLE {replicator} LOGIN REPLICATION PASSWORD 'pw' IN ROLE {}",
+            role(&stack, &a.db, "relay").await
+        ))
+        .await
+        .expect("a replication login of the first database");
     connect(&url_of(&stack, &b.owner, &b.db))
         .await
         .batch_execute(&format!("REVOKE CONNECT ON DATABASE {} FROM PUBLIC", b.db))
@@ -225,6 +243,35 @@ async fn roles_stay_in_their_database(edition: Edition) {
         a.app,
         b.db
     );
+    let slot = unique("t_foreign");
+    let (code, _, stderr) = forwarder_command(&[
+        "slot",
+        "create",
+        "--postgres-url",
+        &url_of(&stack, &replicator, &b.db),
+        "--kafka-bootstrap",
+        &stack.kafka,
+        "--slot",
+        &slot,
+    ])
+    .await;
+    assert!(
+        code != 0 && stderr.contains(&format!("permission denied for database \"{}\"", b.db)),
+        "the first database's replication login makes a slot in {}: exit {code}: {stderr}",
+        b.db
+    );
+    let slots: i64 = superuser(&stack, &b.db)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await
+        .expect("slots")
+        .get(0);
+    assert_eq!(slots, 0);
+    let line = check_line(&stack, &b_relay_url, "connect").await;
+    assert!(line.starts_with("ok"), "{line}");
     for login in [&b.app, &b.relay] {
         let home = try_connect(&url_of(&stack, login, &b.db)).await;
         assert_eq!(
@@ -236,7 +283,7 @@ async fn roles_stay_in_their_database(edition: Edition) {
     }
     eprintln!("PostgreSQL {version}: each database's logins reach only its own outbox");
     for t in [&a, &b] {
-        drop_all(&stack, &t.db, &[&t.app, &t.relay, &t.owner]).await;
+        drop_all(&stack, &t.db, &[&t.app, &t.relay, &replicator, &t.owner]).await;
     }
 }
 
@@ -380,8 +427,8 @@ async fn install_0_6_0(stack: &Stack, edition: Edition) -> Install {
     }
 }
 
-/// The `privileges` line of `outbox-forwarder check` for `url`.
-async fn privileges_check(stack: &Stack, url: &str) -> String {
+/// The line of check `name` in what `outbox-forwarder check` says for `url`.
+async fn check_line(stack: &Stack, url: &str, name: &str) -> String {
     let (_code, stdout, stderr) = forwarder_command(&[
         "check",
         "--postgres-url",
@@ -392,9 +439,8 @@ async fn privileges_check(stack: &Stack, url: &str) -> String {
     .await;
     stdout
         .lines()
-        .chain(stderr.lines())
-        .find(|line| line.contains("privileges"))
-        .unwrap_or_else(|| panic!("check reports privileges: {stdout}{stderr}"))
+        .find(|line| line.get(6..).is_some_and(|rest| rest.starts_with(name)))
+        .unwrap_or_else(|| panic!("check reports {name}: {stdout}{stderr}"))
         .to_owned()
 }
 
@@ -459,7 +505,7 @@ async fn an_install_with_shared_roles_upgrades(edition: Edition) {
         );
     }
     let relay_url = url_of(&stack, &relay, &old.db);
-    let line = privileges_check(&stack, &relay_url).await;
+    let line = check_line(&stack, &relay_url, "privileges").await;
     assert!(
         line.contains(&format!("run REVOKE {relay_role} FROM outbox_relay")),
         "{line}"
@@ -500,7 +546,7 @@ async fn an_install_with_shared_roles_upgrades(edition: Edition) {
         old.db
     );
     assert_eq!(events_in(&stack, &old.db).await, 3);
-    let line = privileges_check(&stack, &relay_url).await;
+    let line = check_line(&stack, &relay_url, "privileges").await;
     assert!(
         line.contains(&format!("member of {relay_role}")) && !line.contains("REVOKE"),
         "{line}"
