@@ -2,7 +2,9 @@
 //!
 //! `OUTBOX_FAULT=point` or `OUTBOX_FAULT=point:n` makes the process abort
 //! (no cleanup, like SIGKILL) the n-th time (default 1st) it passes `point`.
-//! Unset, a check costs one relaxed atomic load.
+//! With `OUTBOX_FAULT_STALL_MS=ms` it blocks the thread there for that long
+//! instead, as a call that does not return would (the liveness watchdog's
+//! test). Unset, a check costs one relaxed atomic load.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -16,6 +18,9 @@ pub const POINTS: &[&str] = &[
     // Events handed to Kafka, before the Kafka commit (exactly-once) or
     // before their delivery reports are counted (at-least-once).
     "after_produce",
+    // Kafka acknowledged a record, on librdkafka's thread, before the
+    // pipeline hears of it.
+    "on_delivery_report",
     // Kafka committed (exactly-once: events and offset record together;
     // at-least-once: all reports in), before the slot is told.
     "after_kafka_commit",
@@ -31,6 +36,7 @@ struct Armed {
     point: String,
     at: u64,
     seen: AtomicU64,
+    stall: Option<std::time::Duration>,
 }
 
 fn armed() -> Option<&'static Armed> {
@@ -42,19 +48,33 @@ fn armed() -> Option<&'static Armed> {
                 Some((p, n)) => (p.to_owned(), n.parse().unwrap_or(1)),
                 None => (spec, 1),
             };
+            let stall = std::env::var("OUTBOX_FAULT_STALL_MS")
+                .ok()
+                .and_then(|ms| ms.parse().ok())
+                .map(std::time::Duration::from_millis);
             Some(Armed {
                 point,
                 at: at.max(1),
                 seen: AtomicU64::new(0),
+                stall,
             })
         })
         .as_ref()
 }
 
-/// Aborts the process if `point` is armed and its count is reached.
+/// Aborts the process (or stalls the thread) if `point` is armed and its
+/// count is reached.
 pub fn check(point: &'static str) {
     if let Some(armed) = armed() {
         if armed.point == point && armed.seen.fetch_add(1, Ordering::Relaxed) + 1 == armed.at {
+            if let Some(stall) = armed.stall {
+                eprintln!(
+                    "fault point {point} fired: stalling {} ms",
+                    stall.as_millis()
+                );
+                std::thread::sleep(stall);
+                return;
+            }
             eprintln!("fault point {point} fired");
             std::process::abort();
         }

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod event;
 pub mod faults;
+pub mod health;
 pub mod horizon;
 pub mod ledger;
 pub mod lsn;

@@ -163,8 +163,12 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
         Command::Run(args) => {
             let config = config_from(&args)?;
             runtime.block_on(async {
-                let metrics = Metrics::new(args.ready_max_lag_bytes);
+                let metrics = Metrics::new(args.health_limits());
                 if let Some(listen) = args.metrics_listen {
+                    tokio::spawn(cdc_forwarder::health::probe_kafka(
+                        config.kafka_client(),
+                        metrics.clone(),
+                    ));
                     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
                         Error::Config(format!("cannot serve metrics on {listen}: {e}"))
                     })?;

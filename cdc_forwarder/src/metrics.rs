@@ -1,8 +1,10 @@
 //! Prometheus metrics and the health state, shared by the pipeline and the
 //! HTTP endpoints (`/metrics`, `/healthz`, `/readyz`).
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
+
+use crate::health::{Health, Limits};
 
 use prometheus_client::encoding::{text::encode, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
@@ -61,13 +63,12 @@ pub struct Metrics {
     pub poll_leases_taken_over: Counter,
     state_gauge: Gauge,
     state: AtomicI64,
-    /// `/readyz` fails while the lag is above this.
-    ready_max_lag_bytes: i64,
-    alive: AtomicBool,
+    /// What `/healthz` and `/readyz` judge by.
+    pub health: Health,
 }
 
 impl Metrics {
-    pub fn new(ready_max_lag_bytes: u64) -> Arc<Self> {
+    pub fn new(limits: Limits) -> Arc<Self> {
         let mut registry = Registry::with_prefix("outbox");
         let events = Counter::default();
         let bytes = Counter::default();
@@ -222,8 +223,7 @@ impl Metrics {
             poll_leases_taken_over,
             state_gauge,
             state: AtomicI64::new(State::Starting as i64),
-            ready_max_lag_bytes: i64::try_from(ready_max_lag_bytes).unwrap_or(i64::MAX),
-            alive: AtomicBool::new(true),
+            health: Health::new(limits),
         })
     }
 
@@ -244,13 +244,22 @@ impl Metrics {
             .inc();
     }
 
-    /// Streaming, and the slot's lag under the threshold.
-    pub fn is_ready(&self) -> bool {
-        self.state() == State::Streaming as i64 && self.lag_bytes.get() <= self.ready_max_lag_bytes
+    /// `Ok` while this instance forwards, else why not (see [`crate::health`]).
+    pub fn readiness(&self) -> Result<(), String> {
+        let state = match self.state() {
+            1 => None,
+            2 => Some("standby: another instance holds the slot"),
+            3 => Some("reconnecting"),
+            4 => Some("fenced: a newer instance took the transactional id"),
+            5 => Some("stopped"),
+            _ => Some("starting"),
+        };
+        self.health.readiness(state, self.lag_bytes.get())
     }
 
-    pub fn is_alive(&self) -> bool {
-        self.alive.load(Ordering::Relaxed)
+    /// `Ok` while the forwarding loop steps (see [`crate::health`]).
+    pub fn liveness(&self) -> Result<(), String> {
+        self.health.liveness()
     }
 
     /// The Prometheus text exposition of every metric.
@@ -291,10 +300,12 @@ pub async fn serve(
             get({
                 let m = metrics.clone();
                 move || async move {
-                    if m.is_alive() {
-                        (StatusCode::OK, "alive\n")
-                    } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "stopping\n")
+                    match m.liveness() {
+                        Ok(()) => (StatusCode::OK, "alive\n".to_owned()),
+                        Err(why) => (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            format!("not alive: {why}\n"),
+                        ),
                     }
                 }
             }),
@@ -304,21 +315,12 @@ pub async fn serve(
             get({
                 let m = metrics.clone();
                 move || async move {
-                    let state = match m.state() {
-                        1 => "streaming",
-                        2 => "standby",
-                        3 => "reconnecting",
-                        4 => "fenced",
-                        5 => "stopped",
-                        _ => "starting",
-                    };
-                    if m.is_ready() {
-                        (StatusCode::OK, format!("ready: {state}\n"))
-                    } else {
-                        (
+                    match m.readiness() {
+                        Ok(()) => (StatusCode::OK, "ready: streaming\n".to_owned()),
+                        Err(why) => (
                             StatusCode::SERVICE_UNAVAILABLE,
-                            format!("not ready: {state}, lag {} bytes\n", m.lag_bytes.get()),
-                        )
+                            format!("not ready: {why}\n"),
+                        ),
                     }
                 }
             }),

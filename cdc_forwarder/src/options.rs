@@ -117,6 +117,14 @@ pub struct Options {
     /// /readyz fails while the slot's lag is above this many bytes.
     #[arg(long, env = "OUTBOX_READY_MAX_LAG_BYTES", default_value_t = 100 << 20)]
     pub ready_max_lag_bytes: u64,
+    /// /readyz fails while the slot's lag has grown with no confirm for this
+    /// many milliseconds (Kafka reachable but not acknowledging).
+    #[arg(long, env = "OUTBOX_READY_MAX_STALL_MS", default_value_t = 30_000)]
+    pub ready_max_stall_ms: u64,
+    /// /healthz fails when the forwarding loop made no step for this many
+    /// milliseconds (it steps at least once a second while it runs).
+    #[arg(long, env = "OUTBOX_LIVENESS_TIMEOUT_MS", default_value_t = 60_000)]
+    pub liveness_timeout_ms: u64,
     /// How Kafka clients connect: plaintext, ssl, sasl-plaintext or sasl-ssl.
     /// (TLS to PostgreSQL is set in the URL: ?sslmode=verify-full&sslrootcert=ca.pem.)
     #[arg(
@@ -147,6 +155,15 @@ pub struct Options {
 const KAFKA_PROPERTIES: &str = "kafka_properties";
 
 impl Options {
+    /// What `/healthz` and `/readyz` judge by.
+    pub fn health_limits(&self) -> crate::health::Limits {
+        crate::health::Limits {
+            liveness_timeout: std::time::Duration::from_millis(self.liveness_timeout_ms),
+            ready_max_lag_bytes: self.ready_max_lag_bytes,
+            ready_max_stall: std::time::Duration::from_millis(self.ready_max_stall_ms),
+        }
+    }
+
     /// The configuration these options describe, with the file's raw
     /// librdkafka properties; validated.
     pub fn into_config(self, kafka_properties: &KafkaProperties) -> Result<Config> {
@@ -346,6 +363,8 @@ mod tests {
                 "batch_max_events"
                 | "batch_linger_ms"
                 | "ready_max_lag_bytes"
+                | "ready_max_stall_ms"
+                | "liveness_timeout_ms"
                 | "poll_interval_ms"
                 | "poll_lease_ms"
                 | "poll_max_events"

@@ -68,6 +68,7 @@ pub async fn run(
     let mut suspects: HashSet<String> = HashSet::new();
     let mut failures: u32 = 0;
     loop {
+        metrics.health.step();
         let started = Instant::now();
         let refused = Refused {
             poisoned: &poisoned,
@@ -120,9 +121,22 @@ pub async fn run(
             _ => backoff(failures, config.max_backoff),
         };
         tracing::warn!(error = %error, retry_in_ms = wait.as_millis() as u64, "session ended, reconnecting");
+        if rest(wait, &metrics, &mut shutdown).await {
+            return Ok(());
+        }
+    }
+}
+
+/// Waits `wait` between sessions, stepping each second for the liveness
+/// watchdog (a wait is no stall); true when shutdown came first.
+async fn rest(wait: Duration, metrics: &Metrics, shutdown: &mut watch::Receiver<bool>) -> bool {
+    let until = tokio::time::Instant::now() + wait;
+    let mut beat = tokio::time::interval(Duration::from_secs(1));
+    loop {
         tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = shutdown.changed() => return Ok(()),
+            _ = tokio::time::sleep_until(until) => return false,
+            _ = shutdown.changed() => return true,
+            _ = beat.tick() => metrics.health.step(),
         }
     }
 }
@@ -240,6 +254,7 @@ async fn poll_session(
     );
     let mut source = PollSource::start(config, metrics.clone()).await?;
     metrics.set_state(State::Streaming);
+    metrics.health.session_started(0);
     tracing::info!(relay = %config.poll.relay, database = %config.postgres.dbname(), "polling");
     let outcome = forward(&mut source, &mut sink, shutdown, metrics, async |_| {
         poll::record_figures(&sql, metrics).await?;
@@ -295,6 +310,9 @@ impl Session<'_> {
             tracing::info!(stored_offset = %stored, "resuming after the stored offset");
         }
         self.metrics.set_state(State::Streaming);
+        self.metrics
+            .health
+            .session_started(self.metrics.lag_bytes.get());
         tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, claim_ms, "streaming");
         let mut recorded = Lsn::ZERO;
         let confirmed = forward(
@@ -485,6 +503,7 @@ impl Session<'_> {
         let mut count = 0u64;
         let mut held = 0u64;
         loop {
+            self.metrics.health.step();
             let rows = tx.query_portal(&portal, CATCH_UP_FETCH).await?;
             if rows.is_empty() {
                 break;
@@ -559,6 +578,7 @@ pub async fn forward<S: Source, K: Sink>(
     let mut ticker = tokio::time::interval(PROGRESS_INTERVAL);
     let mut stopping: Option<Instant> = None;
     loop {
+        metrics.health.step();
         if let Some(since) = stopping {
             if !sink.reading() || since.elapsed() > DRAIN_TIMEOUT {
                 break;
@@ -598,6 +618,7 @@ pub async fn forward<S: Source, K: Sink>(
 
 fn confirm<S: Source>(source: &mut S, metrics: &Metrics, lsn: Lsn) -> Lsn {
     source.confirm(lsn);
+    metrics.health.confirmed(metrics.lag_bytes.get());
     metrics
         .confirmed_lsn
         .set(i64::try_from(lsn.0).unwrap_or(i64::MAX));

@@ -76,6 +76,7 @@ impl ProducerContext for Reporter {
         if tag == UNREPORTED {
             return;
         }
+        crate::faults::check("on_delivery_report");
         let outcome = match result {
             Ok(_) => Ok(()),
             Err((error, message)) => Err(refusal(error, message)),

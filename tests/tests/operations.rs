@@ -310,10 +310,11 @@ async fn a_standby_waits_then_takes_over_when_the_active_instance_dies() {
         state(standby_port).await == Some(2.0)
     })
     .await;
-    assert_eq!(
-        http_get(standby_port, "/readyz").await.map(|r| r.0),
-        Some(503)
-    );
+    let (code, body) = http_get(standby_port, "/readyz")
+        .await
+        .expect("readyz answers");
+    assert_eq!(code, 503);
+    assert!(body.contains("not ready: standby"), "{body}");
     wait_until(WAIT, "the active instance to be ready", || async {
         http_get(active_port, "/readyz").await.map(|r| r.0) == Some(200)
     })

@@ -474,7 +474,11 @@ async fn run_until_confirmed(seed: u64, exactly_once: bool, failure_rate: u32) -
     let history = history(&mut rng);
     let last = history.last().map_or(Lsn::ZERO, |t| t.end);
     let world = World::shared(seed ^ 0x5eed, history, exactly_once, failure_rate);
-    let metrics = Metrics::new(0);
+    let metrics = Metrics::new(crate::health::Limits {
+        liveness_timeout: Duration::from_secs(60),
+        ready_max_lag_bytes: 0,
+        ready_max_stall: Duration::from_secs(30),
+    });
     // Kafka acknowledges on its own time.
     let broker = tokio::spawn({
         let world = world.clone();
@@ -693,7 +697,11 @@ async fn settle<K: Kafka, O: Offsets>(sink: &mut Transactional<K, O>) {
 /// between; with `keepalive`, the source then says it caught up.
 async fn kafka_transaction_sizes(more: &[bool], max_events: usize, keepalive: bool) -> Vec<usize> {
     let world = World::shared(7, Vec::new(), true, 0);
-    let metrics = Metrics::new(0);
+    let metrics = Metrics::new(crate::health::Limits {
+        liveness_timeout: Duration::from_secs(60),
+        ready_max_lag_bytes: 0,
+        ready_max_stall: Duration::from_secs(30),
+    });
     let out = publisher(&world, &metrics);
     let batching = Batching {
         max_events,
