@@ -440,7 +440,8 @@ impl ConsumerContext for FirstError {}
 
 async fn kafka(config: &Config) -> Check {
     let client = config.kafka_client();
-    let topic = config.offsets_topic.clone();
+    let topic = config.offsets_topic();
+    let wanted = topic.clone();
     let outcome = tokio::task::spawn_blocking(move || {
         let context = FirstError::default();
         let consumer: BaseConsumer<FirstError> = client
@@ -454,7 +455,7 @@ async fn kafka(config: &Config) -> Check {
                 let first = context.0.lock().ok().and_then(|f| f.clone());
                 first.unwrap_or_else(|| e.to_string())
             })?;
-        let has_offsets = metadata.topics().iter().any(|t| t.name() == topic);
+        let has_offsets = metadata.topics().iter().any(|t| t.name() == wanted);
         Ok::<_, String>((metadata.brokers().len(), has_offsets))
     })
     .await;
@@ -465,7 +466,7 @@ async fn kafka(config: &Config) -> Check {
                 "{} broker(s) at {}; offsets topic {} {}",
                 brokers,
                 config.kafka_bootstrap,
-                config.offsets_topic,
+                topic,
                 if has_offsets {
                     "exists"
                 } else {

@@ -373,6 +373,12 @@ fn hostname() -> String {
         .unwrap_or_else(|| "relay".to_owned())
 }
 
+/// The prefix of each forwarder's own offsets topic.
+pub const OFFSETS_TOPIC_PREFIX: &str = "pg_outbox.offsets.";
+/// The one offsets topic that every forwarder shared before each had its
+/// own; read once, on an upgrade.
+pub const SHARED_OFFSETS_TOPIC: &str = "pg_outbox.offsets";
+
 /// Everything `outbox-forwarder run` needs.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -396,8 +402,9 @@ pub struct Config {
     /// Longest wait between reconnection attempts.
     pub max_backoff: Duration,
     pub delivery: Delivery,
-    /// Compacted topic of the exactly-once offsets.
-    pub offsets_topic: String,
+    /// Compacted topic of the exactly-once offsets, when one is chosen; by
+    /// default each forwarder has its own (see [`Config::offsets_topic`]).
+    pub offsets_topic: Option<String>,
     /// Overrides the transactional id derived from database and slot.
     pub transactional_id_override: Option<String>,
     /// A Kafka transaction is committed at the first PostgreSQL commit where
@@ -584,7 +591,7 @@ impl Config {
             max_in_flight_bytes: 64 << 20,
             max_backoff: Duration::from_secs(30),
             delivery: Delivery::AtLeastOnce,
-            offsets_topic: "pg_outbox.offsets".into(),
+            offsets_topic: None,
             transactional_id_override: None,
             batch_max_events: 5_000,
             batch_linger: Duration::ZERO,
@@ -610,6 +617,50 @@ impl Config {
                 self.slot
             )
         })
+    }
+
+    /// The compacted topic of this forwarder's exactly-once offsets: the one
+    /// chosen, or `pg_outbox.offsets.` and the transactional id (characters
+    /// a topic name cannot hold become `_`; a name too long for Kafka is
+    /// shortened to a digest). A topic of its own: a `read_committed` read
+    /// of a partition waits behind any transaction open on it, and a
+    /// forwarder killed inside a commit leaves one open for up to
+    /// `transaction.timeout.ms`, which on a shared partition held back every
+    /// other forwarder's start.
+    pub fn offsets_topic(&self) -> String {
+        if let Some(topic) = &self.offsets_topic {
+            return topic.clone();
+        }
+        let id = self.transactional_id();
+        let id = id.strip_prefix("pg_outbox.").unwrap_or(&id);
+        let name: String = id
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                    c
+                } else {
+                    '_'
+                }
+            })
+            .collect();
+        let topic = format!("{OFFSETS_TOPIC_PREFIX}{name}");
+        if topic.len() <= 249 {
+            return topic;
+        }
+        // FNV-1a: the same name from every build and every run.
+        let digest = id.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        format!("{OFFSETS_TOPIC_PREFIX}{}.{digest:016x}", &name[..200])
+    }
+
+    /// Where offsets were kept before each forwarder had its own topic:
+    /// read when this forwarder's own topic holds none yet (an upgrade),
+    /// unless a topic was chosen.
+    pub fn offsets_fallback(&self) -> Option<String> {
+        self.offsets_topic
+            .is_none()
+            .then(|| SHARED_OFFSETS_TOPIC.to_owned())
     }
 
     /// A Kafka client configuration with the bootstrap servers and the raw
@@ -722,10 +773,10 @@ impl Config {
                 self.topic_template
             )));
         }
-        if !is_valid_topic(&self.offsets_topic) {
+        if !is_valid_topic(&self.offsets_topic()) {
             return Err(Error::Config(format!(
                 "offsets topic {:?} is not a valid Kafka topic name",
-                self.offsets_topic
+                self.offsets_topic()
             )));
         }
         if let Some(topic) = &self.dead_letter_topic {
@@ -770,6 +821,34 @@ mod tests {
         let target = PgTarget::parse("host=db-a,db-b port=6000 user=fwd dbname=app").expect("url");
         let ports: Vec<_> = target.per_host().iter().map(PgTarget::port).collect();
         assert_eq!(ports, [6000, 6000]);
+    }
+
+    #[test]
+    fn each_forwarder_has_an_offsets_topic_of_its_own_unless_one_is_chosen() {
+        let mut c = Config::new("postgres://u@db-1/app", "k:9092").expect("valid");
+        c.slot = "orders".into();
+        assert_eq!(c.offsets_topic(), "pg_outbox.offsets.db-1.app.orders");
+        assert_eq!(c.offsets_fallback().as_deref(), Some(SHARED_OFFSETS_TOPIC));
+
+        c.transactional_id_override = Some("tenant ä/orders".into());
+        assert_eq!(c.offsets_topic(), "pg_outbox.offsets.tenant___orders");
+
+        let long = |tail: &str| {
+            let mut c = c.clone();
+            c.transactional_id_override = Some(format!("{}{tail}", "x".repeat(300)));
+            c.offsets_topic()
+        };
+        assert!(is_valid_topic(&long("a")), "{}", long("a"));
+        assert_eq!(long("a"), long("a"), "the same name on every start");
+        assert_ne!(
+            long("a"),
+            long("b"),
+            "ids alike in their first 200 characters"
+        );
+
+        c.offsets_topic = Some("ours".into());
+        assert_eq!(c.offsets_topic(), "ours");
+        assert_eq!(c.offsets_fallback(), None, "a chosen topic is the only one");
     }
 
     #[test]

@@ -21,6 +21,9 @@ pub const POINTS: &[&str] = &[
     // Kafka acknowledged a record, on librdkafka's thread, before the
     // pipeline hears of it.
     "on_delivery_report",
+    // Exactly-once: the offset record is sent in the open Kafka
+    // transaction, before its commit is asked for.
+    "before_kafka_commit",
     // Kafka committed (exactly-once: events and offset record together;
     // at-least-once: all reports in), before the slot is told.
     "after_kafka_commit",

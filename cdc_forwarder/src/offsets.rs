@@ -20,6 +20,11 @@
 //! partition. It reads the end of the partition first (a compacted topic
 //! keeps every record until its segment rolls, tens of thousands after a
 //! busy day), and earlier records only while no record of ours is found.
+//!
+//! Each forwarder has a topic of its own by default, so no other
+//! forwarder's transaction is ever open on the partition it reads. Offsets
+//! stored before that, in the one topic all forwarders shared, are read
+//! from there while the forwarder's own topic holds none yet.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,6 +38,7 @@ use rdkafka::message::Message;
 use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::horizon::{Horizon, Runs};
 use crate::lsn::Lsn;
@@ -61,6 +67,9 @@ pub struct OffsetStore {
     /// Bootstrap servers and raw properties (TLS, SASL).
     pub client: ClientConfig,
     pub topic: String,
+    /// Where to look when `topic` holds no record of ours (an upgrade from
+    /// the shared offsets topic).
+    pub fallback: Option<String>,
     /// The forwarder's transactional id; one key per forwarder.
     pub key: String,
     /// Readers made ready before they are needed (see [`Offsets::prepare`]).
@@ -81,8 +90,21 @@ impl OffsetStore {
         OffsetStore {
             client,
             topic,
+            fallback: None,
             key,
             ready: Arc::default(),
+        }
+    }
+
+    /// The store of the forwarder `config` describes.
+    pub fn of(config: &Config) -> Self {
+        OffsetStore {
+            fallback: config.offsets_fallback(),
+            ..Self::new(
+                config.kafka_client(),
+                config.offsets_topic(),
+                config.transactional_id(),
+            )
         }
     }
 
@@ -169,9 +191,31 @@ impl OffsetStore {
         })
     }
 
-    /// Reads the last committed offset (blocking; call off the async workers).
+    /// Reads the last committed offset (blocking; call off the async
+    /// workers): from the forwarder's own topic, else from the fallback.
     pub fn load(&self, timeout: Duration) -> Result<Option<Stored>> {
         let deadline = Instant::now() + timeout;
+        if let Some(stored) = self.load_topic(deadline)? {
+            return Ok(Some(stored));
+        }
+        let Some(fallback) = &self.fallback else {
+            return Ok(None);
+        };
+        let earlier = OffsetStore::new(self.client.clone(), fallback.clone(), self.key.clone());
+        let stored = earlier.load_topic(deadline)?;
+        if let Some(stored) = &stored {
+            tracing::info!(
+                from = %fallback,
+                to = %self.topic,
+                lsn = %stored.lsn,
+                "offset read from the offsets topic shared by forwarders before each had its own; the next commit stores it in this forwarder's own"
+            );
+        }
+        Ok(stored)
+    }
+
+    /// The last committed offset in `self.topic`, which may not exist.
+    fn load_topic(&self, deadline: Instant) -> Result<Option<Stored>> {
         let ready = self.ready.lock().unwrap_or_else(|e| e.into_inner()).take();
         let Readers {
             committed,

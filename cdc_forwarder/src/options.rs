@@ -79,13 +79,11 @@ pub struct Options {
     /// read_committed consumers).
     #[arg(long, value_enum, ignore_case = true, env = "OUTBOX_DELIVERY", default_value_t = Delivery::AtLeastOnce)]
     pub delivery: Delivery,
-    /// Compacted topic that stores the exactly-once offsets.
-    #[arg(
-        long,
-        env = "OUTBOX_OFFSETS_TOPIC",
-        default_value = "pg_outbox.offsets"
-    )]
-    pub offsets_topic: String,
+    /// Compacted topic that stores the exactly-once offsets. By default each
+    /// forwarder has its own, pg_outbox.offsets.<transactional id>, so that
+    /// one forwarder's open transaction never holds back another's start.
+    #[arg(long, env = "OUTBOX_OFFSETS_TOPIC")]
+    pub offsets_topic: Option<String>,
     /// Exactly-once: commit a Kafka transaction at the first PostgreSQL commit
     /// where it holds this many events, even while more wait behind it.
     #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 5000)]

@@ -187,11 +187,7 @@ async fn session(
             session.serve(sink, shutdown).await
         }
         Delivery::ExactlyOnce => {
-            let offsets = OffsetStore::new(
-                config.kafka_client(),
-                config.offsets_topic.clone(),
-                config.transactional_id(),
-            );
+            let offsets = OffsetStore::of(config);
             let batching = Batching {
                 max_events: config.batch_max_events,
                 linger: config.batch_linger,

@@ -103,11 +103,7 @@ pub async fn collect(config: &Config) -> Result<Status> {
         }
     }
     let stored = if config.delivery == Delivery::ExactlyOnce {
-        let store = OffsetStore::new(
-            config.kafka_client(),
-            config.offsets_topic.clone(),
-            config.transactional_id(),
-        );
+        let store = OffsetStore::of(config);
         store.load_async(std::time::Duration::from_secs(30)).await?
     } else {
         None

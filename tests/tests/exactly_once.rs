@@ -416,3 +416,143 @@ async fn a_lost_slot_under_at_least_once_loses_nothing() {
     assert_eq!((v.lost, v.phantoms), (0, 0), "{v:?}");
     assert!(v.duplicates <= v.committed - covered, "{v:?}");
 }
+
+/// The offsets topic a forwarder on `db` has by default: the prefix and its
+/// transactional id, `pg_outbox.HOST.DB.SLOT`.
+fn own_offsets_topic(db: &TestDb) -> String {
+    let url = db.forwarder_url();
+    let host = url
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split(':').next())
+        .expect("host in the forwarder's URL");
+    format!("pg_outbox.offsets.{host}.{}.{}", db.name, db.slot)
+}
+
+/// Whether a Kafka transaction is open on partition 0 of `topic`: its last
+/// stable offset, which `read_committed` readers wait at, is behind its
+/// high watermark.
+async fn has_open_transaction(stack: &pg_outbox_tests::Stack, topic: &str) -> bool {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let (kafka, topic) = (stack.kafka.clone(), topic.to_owned());
+    let watermarks = move || {
+        let watermark = |isolation: &str| {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &kafka)
+                .set("group.id", unique("watermarks"))
+                .set("isolation.level", isolation)
+                .create()
+                .expect("consumer");
+            consumer
+                .fetch_watermarks(&topic, 0, Duration::from_secs(10))
+                .map_or(0, |(_, high)| high)
+        };
+        watermark("read_committed") < watermark("read_uncommitted")
+    };
+    tokio::task::spawn_blocking(watermarks)
+        .await
+        .expect("watermark reader")
+}
+
+/// A forwarder killed inside its Kafka commit leaves that transaction open
+/// until Kafka's transaction timeout (300 s). Another forwarder restarted
+/// meanwhile reads its own offsets topic, where nothing waits: it streams
+/// exactly once while that transaction is still open. The killed one then
+/// fences its transaction away and delivers exactly once too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_forwarder_killed_inside_its_commit_holds_back_no_other() {
+    let a = TestDb::create("eos_stuck_a").await;
+    let b = TestDb::create("eos_stuck_b").await;
+    let a_topic = a.create_topic("ore", 2).await;
+    let b_topic = b.create_topic("ore", 2).await;
+
+    let b_first = Forwarder::spawn(&b, EOS);
+    write_transactions(&mut b.admin().await, "ore", 3, 20).await;
+    let mut b_reader = Reader::new(&b.stack, &[&b_topic]);
+    b_reader
+        .read_until(WAIT, "B's first events", |r| r.len() >= 20)
+        .await;
+
+    // A's first commit blocks after its offset record was sent: the
+    // transaction stays open on the broker; then A is killed.
+    let stuck = Forwarder::spawn_with_env(
+        &a,
+        EOS,
+        &[
+            ("OUTBOX_FAULT", "before_kafka_commit"),
+            ("OUTBOX_FAULT_STALL_MS", "600000"),
+        ],
+    );
+    write_transactions(&mut a.admin().await, "ore", 3, 20).await;
+    let a_offsets = own_offsets_topic(&a);
+    wait_until(WAIT, "A's offset record in an open transaction", || {
+        has_open_transaction(&a.stack, &a_offsets)
+    })
+    .await;
+    stuck.kill9().await;
+
+    b_first.kill9().await;
+    b.wait_slot_inactive(WAIT).await;
+    let b_second = Forwarder::spawn(&b, EOS);
+    write_transactions(&mut b.admin().await, "ore", 3, 20).await;
+    let v = read_all(&b, &mut b_reader, &b_topic).await;
+    eprintln!("B: {v:?}");
+    assert_exactly_once(&v);
+    assert!(
+        has_open_transaction(&a.stack, &a_offsets).await,
+        "B must have streamed while A's transaction was still open"
+    );
+
+    a.wait_slot_inactive(WAIT).await;
+    let a_again = Forwarder::spawn(&a, EOS);
+    let mut a_reader = Reader::new(&a.stack, &[&a_topic]);
+    let v = read_all(&a, &mut a_reader, &a_topic).await;
+    eprintln!("A: {v:?}");
+    assert_exactly_once(&v);
+    a_again.kill9().await;
+    b_second.kill9().await;
+    a.drop().await;
+    b.drop().await;
+}
+
+/// A forwarder from before per-forwarder offsets topics kept its offset in
+/// the shared `pg_outbox.offsets`. Upgraded, its first start finds it there
+/// (its own topic is still empty): the Kafka transaction that committed just
+/// before the crash, which the slot never heard of, is not published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upgraded_forwarder_keeps_the_offset_of_the_shared_topic() {
+    let db = TestDb::create("eos_offsets_upgrade").await;
+    let topic = db.create_topic("lot", 2).await;
+    let shared = [
+        "--delivery",
+        "exactly-once",
+        "--offsets-topic",
+        "pg_outbox.offsets",
+    ];
+    let first = Forwarder::spawn(&db, &shared);
+    db.wait_slot_active(WAIT).await;
+    first.kill9().await;
+    db.wait_slot_inactive(WAIT).await;
+
+    write_transactions(&mut db.admin().await, "lot", 4, 120).await;
+    let crashing =
+        Forwarder::spawn_with_env(&db, &shared, &[("OUTBOX_FAULT", "after_kafka_commit")]);
+    assert!(
+        !crashing.wait_exit(WAIT).await.success(),
+        "the fault point must end the process"
+    );
+
+    let upgraded = Forwarder::spawn(&db, EOS);
+    write_transactions(&mut db.admin().await, "lot", 4, 60).await;
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    let v = read_all(&db, &mut reader, &topic).await;
+    eprintln!("{v:?}");
+    assert_exactly_once(&v);
+    assert!(
+        upgraded
+            .log_text()
+            .contains("offset read from the offsets topic shared"),
+        "the upgraded forwarder says where its offset came from"
+    );
+    upgraded.kill9().await;
+    db.drop().await;
+}

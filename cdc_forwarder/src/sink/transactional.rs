@@ -256,6 +256,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             return Ok(());
         };
         self.send_offset(end).await?;
+        crate::faults::check("before_kafka_commit");
         self.committing = Some(Committing {
             future: self.out.kafka.commit_transaction(),
             complete: batch.complete,

@@ -41,6 +41,7 @@ const POINTS: &[&str] = &[
     "producer_init",
     "before_produce",
     "after_produce",
+    "before_kafka_commit",
     "after_kafka_commit",
     "after_confirm",
 ];
