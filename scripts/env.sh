@@ -40,6 +40,13 @@ KAFKA_PORT=${OUTBOX_KAFKA_PORT:-59092}
 KAFKA_CONTROLLER_PORT=${OUTBOX_KAFKA_CONTROLLER_PORT:-59093}
 # A second listener with TLS and SASL/PLAIN, for the tests of secured Kafka.
 KAFKA_TLS_PORT=${OUTBOX_KAFKA_TLS_PORT:-59096}
+# OUTBOX_KAFKA_BROKERS=3: a cluster of three brokers beside the single one,
+# each broker also a controller of the KRaft quorum, with production's
+# replication settings; broker N listens on 59110+N, its controller on 59120+N.
+KAFKA_BROKERS=${OUTBOX_KAFKA_BROKERS:-1}
+case $KAFKA_BROKERS in 1 | 3) ;; *) echo "error: OUTBOX_KAFKA_BROKERS is 1 or 3, not $KAFKA_BROKERS" >&2; exit 2 ;; esac
+cluster_port() { echo $((59110 + $1)); }
+cluster_controller_port() { echo $((59120 + $1)); }
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$ROOT/scripts/kafka/pom.xml")
 KAFKA_LIBS=$CACHE_DIR/kafka-$KAFKA_VERSION/libs
 PGRX_VERSION=0.18.1
@@ -55,6 +62,9 @@ PGURL="postgres://postgres:$PG_SUPERUSER_PASSWORD@127.0.0.1:$PG_PORT/postgres"
 FORWARDER_PGURL="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/postgres"
 OWNER_PGURL="postgres://$OWNER_ROLE:$OWNER_PASSWORD@127.0.0.1:$PG_PORT/postgres"
 KAFKA_BOOTSTRAP="127.0.0.1:$KAFKA_PORT"
+if [ "$KAFKA_BROKERS" = 3 ]; then
+    KAFKA_BOOTSTRAP="127.0.0.1:$(cluster_port 1),127.0.0.1:$(cluster_port 2),127.0.0.1:$(cluster_port 3)"
+fi
 KAFKA_TLS_BOOTSTRAP="localhost:$KAFKA_TLS_PORT"
 KAFKA_SASL_USER=forwarder
 KAFKA_SASL_PASSWORD=kafka-secret

@@ -405,6 +405,9 @@ pub struct Config {
     /// Compacted topic of the exactly-once offsets, when one is chosen; by
     /// default each forwarder has its own (see [`Config::offsets_topic`]).
     pub offsets_topic: Option<String>,
+    /// The offsets topic's replication factor when it is created; `None`:
+    /// the cluster's default.
+    pub offsets_replication_factor: Option<i32>,
     /// Overrides the transactional id derived from database and slot.
     pub transactional_id_override: Option<String>,
     /// A Kafka transaction is committed at the first PostgreSQL commit where
@@ -592,6 +595,7 @@ impl Config {
             max_backoff: Duration::from_secs(30),
             delivery: Delivery::AtLeastOnce,
             offsets_topic: None,
+            offsets_replication_factor: None,
             transactional_id_override: None,
             batch_max_events: 5_000,
             batch_linger: Duration::ZERO,

@@ -49,6 +49,12 @@ pub enum Error {
     #[error("polling relay {0} lost its leases (not renewed before they expired)")]
     LeaseLost(String),
 
+    /// A Kafka transaction of this producer was aborted or failed to
+    /// commit: the next one waits for a fresh producer, whose
+    /// `init_transactions` fences the old epoch's late requests.
+    #[error("kafka: a transaction was aborted or its commit failed; a fresh producer takes over the transactional id before the next one")]
+    EpochSpent,
+
     /// An event that cannot be delivered; it is never skipped silently.
     #[error("event {event_id} cannot be delivered: {reason}")]
     Poison { event_id: String, reason: String },
@@ -92,9 +98,11 @@ impl Error {
                 None => true,
             },
             Error::Replication(e) => !e.is_auth(),
-            Error::Kafka(_) | Error::SlotBusy(_) | Error::NoPrimary(_) | Error::LeaseLost(_) => {
-                true
-            }
+            Error::Kafka(_)
+            | Error::EpochSpent
+            | Error::SlotBusy(_)
+            | Error::NoPrimary(_)
+            | Error::LeaseLost(_) => true,
         }
     }
 
@@ -107,7 +115,7 @@ impl Error {
             Error::Replication(_) => "replication",
             Error::Decode(_) => "decode",
             Error::Layout(_) => "layout",
-            Error::Kafka(_) => "kafka",
+            Error::Kafka(_) | Error::EpochSpent => "kafka",
             Error::SlotBusy(_) => "slot_busy",
             Error::NoPrimary(_) => "no_primary",
             Error::Fenced(_) => "fenced",

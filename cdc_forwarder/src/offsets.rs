@@ -72,6 +72,9 @@ pub struct OffsetStore {
     pub fallback: Option<String>,
     /// The forwarder's transactional id; one key per forwarder.
     pub key: String,
+    /// The topic's replication factor when it is created (-1: the
+    /// cluster's default).
+    pub replication_factor: i32,
     /// Readers made ready before they are needed (see [`Offsets::prepare`]).
     ready: Arc<Mutex<Option<Readers>>>,
 }
@@ -92,6 +95,7 @@ impl OffsetStore {
             topic,
             fallback: None,
             key,
+            replication_factor: -1,
             ready: Arc::default(),
         }
     }
@@ -100,6 +104,7 @@ impl OffsetStore {
     pub fn of(config: &Config) -> Self {
         OffsetStore {
             fallback: config.offsets_fallback(),
+            replication_factor: config.offsets_replication_factor.unwrap_or(-1),
             ..Self::new(
                 config.kafka_client(),
                 config.offsets_topic(),
@@ -111,8 +116,12 @@ impl OffsetStore {
     /// Creates the compacted offsets topic when it is missing.
     pub async fn ensure_topic(&self) -> Result<()> {
         let admin: AdminClient<DefaultClientContext> = self.client.create()?;
-        let topic = NewTopic::new(&self.topic, 1, TopicReplication::Fixed(-1))
-            .set("cleanup.policy", "compact");
+        let topic = NewTopic::new(
+            &self.topic,
+            1,
+            TopicReplication::Fixed(self.replication_factor),
+        )
+        .set("cleanup.policy", "compact");
         let results = admin
             .create_topics(
                 &[topic],

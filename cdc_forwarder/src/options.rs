@@ -84,6 +84,10 @@ pub struct Options {
     /// one forwarder's open transaction never holds back another's start.
     #[arg(long, env = "OUTBOX_OFFSETS_TOPIC")]
     pub offsets_topic: Option<String>,
+    /// Replication factor of the offsets topic when the forwarder creates
+    /// it (default: the cluster's default.replication.factor).
+    #[arg(long, env = "OUTBOX_OFFSETS_REPLICATION_FACTOR", value_parser = clap::value_parser!(i32).range(1..))]
+    pub offsets_replication_factor: Option<i32>,
     /// Exactly-once: commit a Kafka transaction at the first PostgreSQL commit
     /// where it holds this many events, even while more wait behind it.
     #[arg(long, env = "OUTBOX_BATCH_MAX_EVENTS", default_value_t = 5000)]
@@ -188,6 +192,7 @@ impl Options {
         config.failover_slot = !self.no_failover_slot;
         config.delivery = self.delivery;
         config.offsets_topic = self.offsets_topic;
+        config.offsets_replication_factor = self.offsets_replication_factor;
         config.dead_letter_topic = self.dead_letter_topic;
         config.park_aggregates = !self.dead_letter_unordered;
         config.value_format = self.value_format;

@@ -16,8 +16,24 @@
 //!
 //! The transactional calls block; they run on tokio's blocking pool, never on
 //! the async workers.
+//!
+//! An epoch that aborted is never used again. librdkafka does not implement
+//! KIP-890's second part (librdkafka issue 5423): each of its transactions
+//! under one producer id runs under the same epoch, and a produce request of
+//! transaction T1 that is still on its way (retried after a timeout, or
+//! queued in the socket of a broker that hung) when T1 is aborted can land
+//! after the abort marker. The broker's check of KIP-890's first part (is
+//! the partition in an ongoing transaction of this producer?) then passes
+//! once T2 added that partition, and the record of T1 commits with T2: a
+//! duplicate when T1's events are sent again in T2, or an event out of
+//! order. So after an abort, or a commit that failed or timed out, the
+//! producer takes no transaction again ([`Error::EpochSpent`]): the session
+//! ends, and the next session's fresh producer calls `init_transactions`
+//! under the same transactional id, which aborts what is open and bumps the
+//! epoch; every partition leader then refuses the old epoch's late requests.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -58,6 +74,9 @@ pub struct Producer {
     producers: Vec<ThreadedProducer<Reporter>>,
     /// The index of the one that takes records now.
     active: AtomicUsize,
+    /// A transaction was aborted, or its commit failed: no transaction
+    /// begins under these epochs again (see the module's notes).
+    spent: Arc<AtomicBool>,
     reports: mpsc::UnboundedReceiver<Report>,
 }
 
@@ -133,6 +152,7 @@ impl Producer {
         Ok(Producer {
             producers,
             active: AtomicUsize::new(0),
+            spent: Arc::default(),
             reports,
         })
     }
@@ -260,6 +280,9 @@ impl Producer {
     }
 
     pub async fn begin_transaction(&self) -> Result<()> {
+        if self.spent.load(Ordering::Acquire) {
+            return Err(Error::EpochSpent);
+        }
         blocking(self.active().clone(), |p| p.begin_transaction()).await
     }
 
@@ -269,6 +292,7 @@ impl Producer {
     }
 
     pub async fn abort_transaction(&self) -> Result<()> {
+        self.spent.store(true, Ordering::Release);
         blocking(self.active().clone(), |p| {
             p.abort_transaction(TXN_CALL_TIMEOUT)
         })
@@ -377,7 +401,14 @@ impl Kafka for Producer {
             (self.active.load(Ordering::Relaxed) + 1) % turns,
             Ordering::Relaxed,
         );
-        blocking(committing, commit).boxed()
+        let spent = self.spent.clone();
+        blocking(committing, commit)
+            .inspect(move |result| {
+                if result.is_err() {
+                    spent.store(true, Ordering::Release);
+                }
+            })
+            .boxed()
     }
 
     async fn abort_transaction(&self) -> Result<()> {
@@ -399,8 +430,19 @@ fn settings(config: &Config) -> ClientConfig {
         // The Java client's partitioner for keyed records, so Java
         // producers and consumers agree with us on a key's partition.
         .set("partitioner", "murmur2_random");
-    // Defaults the operator's kafka_properties may change.
-    for (key, value) in [("linger.ms", "5"), ("client.id", "outbox-forwarder")] {
+    // Defaults the operator's kafka_properties may change. The timeouts:
+    // a broker that hangs with its sockets open answers nothing, and
+    // librdkafka waits out socket.timeout.ms (60 s by default) on each
+    // request to it before it asks the cluster who leads now; a broker that
+    // was down is tried again after a backoff that grows to
+    // reconnect.backoff.max.ms (10 s by default) while it restarts.
+    for (key, value) in [
+        ("linger.ms", "5"),
+        ("client.id", "outbox-forwarder"),
+        ("socket.timeout.ms", "10000"),
+        ("request.timeout.ms", "10000"),
+        ("reconnect.backoff.max.ms", "1000"),
+    ] {
         if client.get(key).is_none() {
             client.set(key, value);
         }

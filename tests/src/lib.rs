@@ -4,6 +4,7 @@
 //! consumer that reads back what arrived.
 
 pub mod catalog;
+pub mod cluster;
 pub mod pair;
 
 use std::collections::BTreeMap;
@@ -339,6 +340,17 @@ impl TestDb {
         with_database(&self.stack.forwarder_url, &self.name)
     }
 
+    /// The transactional id of an exactly-once forwarder on this database
+    /// (the first of its two producers): `pg_outbox.HOST.DB.SLOT`.
+    pub fn transactional_id(&self) -> String {
+        let url = self.forwarder_url();
+        let host = url
+            .split_once('@')
+            .and_then(|(_, rest)| rest.split(':').next())
+            .expect("host in the forwarder's URL");
+        format!("pg_outbox.{host}.{}.{}", self.name, self.slot)
+    }
+
     /// Topic template giving this test's topics.
     pub fn topic_template(&self) -> String {
         format!("{}.{{aggregate_type}}", self.topic_prefix)
@@ -360,7 +372,8 @@ impl TestDb {
                 &[NewTopic::new(
                     &topic,
                     partitions,
-                    TopicReplication::Fixed(1),
+                    // The cluster's default.replication.factor.
+                    TopicReplication::Fixed(-1),
                 )],
                 &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
             )
@@ -1048,6 +1061,22 @@ pub fn stack_command_with(args: &[&str], env: &[(&str, &str)]) {
         .status()
         .expect("scripts/stack");
     assert!(status.success(), "scripts/stack {args:?} failed");
+}
+
+/// What `scripts/stack` prints, trimmed, or `None` when it fails.
+pub fn stack_output(args: &[&str], env: &[(&str, &str)]) -> Option<String> {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../scripts/stack");
+    let output = std::process::Command::new("bash")
+        .arg(script)
+        .args(args)
+        .envs(env.iter().copied())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).trim().to_owned())
 }
 
 /// The server's `server_version_num` (150000 and up).

@@ -418,14 +418,13 @@ async fn a_lost_slot_under_at_least_once_loses_nothing() {
 }
 
 /// The offsets topic a forwarder on `db` has by default: the prefix and its
-/// transactional id, `pg_outbox.HOST.DB.SLOT`.
+/// transactional id without `pg_outbox.`.
 fn own_offsets_topic(db: &TestDb) -> String {
-    let url = db.forwarder_url();
-    let host = url
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split(':').next())
-        .expect("host in the forwarder's URL");
-    format!("pg_outbox.offsets.{host}.{}.{}", db.name, db.slot)
+    let id = db.transactional_id();
+    format!(
+        "pg_outbox.offsets.{}",
+        id.strip_prefix("pg_outbox.").expect("the id's prefix")
+    )
 }
 
 /// Whether a Kafka transaction is open on partition 0 of `topic`: its last

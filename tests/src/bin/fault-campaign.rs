@@ -5,7 +5,7 @@
 //! read_committed consumer received.
 //!
 //! fault-campaign [--faults N] [--mode exactly-once|at-least-once] [--seed S] [--failover]
-//!                [--source poll]
+//!                [--source poll] [--kafka-brokers 1|3]
 //!
 //! --failover runs on a primary and standby of the campaign's own and adds
 //! primary failovers (SIGKILL of the primary, promotion of the standby, a
@@ -17,6 +17,17 @@
 //! and restart under a new name, so its leases must expire; a zombie that
 //! resumes after its successor took its aggregates over), and the servers
 //! restart under both.
+//!
+//! --kafka-brokers 3 runs against the stack's cluster of three brokers
+//! (OUTBOX_KAFKA_BROKERS=3 scripts/stack up) and adds broker faults: SIGKILL
+//! of the leader of an outbox partition, of the forwarder's transaction
+//! coordinator and of the active controller, SIGSTOP of a broker for longer
+//! than the broker session and client request timeouts, and a rolling
+//! restart. A killed broker is started again once the stream recovered, and
+//! the next fault waits until no partition is under-replicated.
+//!
+//! Recovery, per fault kind: from the fault to the first event delivered
+//! after it.
 //!
 //! Needs the stack's environment (PGURL, FORWARDER_PGURL, KAFKA_BOOTSTRAP).
 //! Exits 1 on any loss, phantom or order violation, and on any duplicate in
@@ -30,8 +41,8 @@ use std::time::{Duration, Instant};
 
 use pg_outbox_tests::pair::Pair;
 use pg_outbox_tests::{
-    committed_events, server_version, stack_command, try_connect, verdict, with_database, Edition,
-    Forwarder, Reader, Record, TestDb,
+    cluster, committed_events, server_version, stack_command, try_connect, verdict, with_database,
+    Edition, Forwarder, Reader, Record, TestDb,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -70,11 +81,36 @@ enum Fault {
     SlotLost,
     /// The primary is killed and its standby promoted (with `--failover`).
     Failover,
+    /// SIGKILL of the broker leading partition 0 of the outbox topic.
+    LeaderKill,
+    /// SIGKILL of the transaction coordinator of the forwarder's (first)
+    /// transactional id; exactly-once only, since at least once has none.
+    CoordinatorKill,
+    /// SIGKILL of the KRaft quorum's leader.
+    ControllerKill,
+    /// SIGSTOP of a broker, SIGCONT after [`PAUSE`].
+    BrokerPause,
+    /// Each broker restarted in turn, waiting for its replicas to catch up.
+    RollingRestart,
 }
 
-fn pick(rng: &mut StdRng, failover: bool, poll: bool) -> Fault {
+/// How long a paused broker hangs: past the cluster's broker session
+/// timeout (6 s) and the forwarder's request and socket timeouts (10 s).
+const PAUSE: Duration = Duration::from_secs(12);
+
+fn pick(rng: &mut StdRng, failover: bool, poll: bool, cluster: bool) -> Fault {
     if failover && rng.random_range(0..10) == 0 {
         return Fault::Failover;
+    }
+    // On a cluster, two faults in five are the brokers'.
+    if cluster && rng.random_range(0..5) < 2 {
+        return match rng.random_range(0..100) {
+            0..25 => Fault::LeaderKill,
+            25..50 => Fault::CoordinatorKill,
+            50..70 => Fault::ControllerKill,
+            70..92 => Fault::BrokerPause,
+            _ => Fault::RollingRestart,
+        };
     }
     let points = if poll { POLL_POINTS } else { POINTS };
     match rng.random_range(0..100) {
@@ -85,6 +121,8 @@ fn pick(rng: &mut StdRng, failover: bool, poll: bool) -> Fault {
         70..80 => Fault::Zombie,
         80..86 => Fault::PgFast,
         86..92 => Fault::PgImmediate,
+        // The whole cluster restarting is rare; its brokers' faults are above.
+        _ if cluster => Fault::Kill,
         _ => Fault::Broker,
     }
 }
@@ -95,6 +133,8 @@ struct Args {
     seed: u64,
     failover: bool,
     poll: bool,
+    /// The stack's cluster of three brokers instead of the single one.
+    cluster: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -104,6 +144,7 @@ fn parse_args() -> Result<Args, String> {
         seed: rand::rng().random(),
         failover: false,
         poll: false,
+        cluster: std::env::var("OUTBOX_KAFKA_BROKERS").as_deref() == Ok("3"),
     };
     let mut mode_given = false;
     let mut it = std::env::args().skip(1);
@@ -112,6 +153,13 @@ fn parse_args() -> Result<Args, String> {
         match flag.as_str() {
             "--faults" => args.faults = value()?.parse().map_err(|_| "--faults takes a number")?,
             "--failover" => args.failover = true,
+            "--kafka-brokers" => {
+                args.cluster = match value()?.as_str() {
+                    "3" => true,
+                    "1" => false,
+                    other => return Err(format!("--kafka-brokers is 1 or 3, not {other:?}")),
+                }
+            }
             "--seed" => args.seed = value()?.parse().map_err(|_| "--seed takes a number")?,
             "--source" => {
                 args.poll = match value()?.as_str() {
@@ -211,6 +259,39 @@ fn signal(sig: &str, pid: i32) {
         .status();
 }
 
+/// A recovery time of a fault kind; a fault with no progress within 90 s
+/// counts as 90 s.
+fn record(
+    recoveries: &mut std::collections::BTreeMap<String, Vec<Duration>>,
+    name: &str,
+    n: usize,
+    recovery: Option<Duration>,
+) {
+    let time = match recovery {
+        Some(time) => {
+            if time > Duration::from_secs(10) {
+                println!(
+                    "  fault {n} ({name}): progress again after {:.1} s",
+                    time.as_secs_f64()
+                );
+            }
+            time
+        }
+        None => {
+            eprintln!("fault {n} ({name}): no progress within 90 s");
+            Duration::from_secs(90)
+        }
+    };
+    recoveries.entry(name.to_owned()).or_default().push(time);
+}
+
+/// Waits until the cluster is whole again, or says it is not.
+async fn wait_in_sync() {
+    if !cluster::wait_in_sync(Duration::from_secs(180)).await {
+        eprintln!("the cluster stayed under-replicated for 180 s");
+    }
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 4)]
 async fn main() -> ExitCode {
     let args = match parse_args() {
@@ -227,9 +308,16 @@ async fn main() -> ExitCode {
     } else {
         &[]
     };
+    if args.cluster
+        && (std::env::var("OUTBOX_KAFKA_BROKERS").as_deref() != Ok("3")
+            || !std::env::var("KAFKA_BOOTSTRAP").is_ok_and(|b| b.contains(',')))
+    {
+        eprintln!("fault-campaign: --kafka-brokers 3 needs the cluster's environment: run scripts/campaign --kafka-brokers 3, or export the output of OUTBOX_KAFKA_BROKERS=3 scripts/stack up and OUTBOX_KAFKA_BROKERS=3");
+        return ExitCode::from(2);
+    }
     let mut rng = StdRng::seed_from_u64(args.seed);
     println!(
-        "fault campaign: {} faults, {} mode{}, seed {}",
+        "fault campaign: {} faults, {} mode{}{}, seed {}",
         args.faults,
         if args.exactly_once {
             "exactly-once"
@@ -237,6 +325,7 @@ async fn main() -> ExitCode {
             "at-least-once"
         },
         if args.poll { ", polling relays" } else { "" },
+        if args.cluster { ", three brokers" } else { "" },
         args.seed
     );
 
@@ -373,6 +462,8 @@ async fn main() -> ExitCode {
 
     let mut max_recovery = Duration::ZERO;
     let mut tally = std::collections::BTreeMap::<String, usize>::new();
+    let mut recoveries = std::collections::BTreeMap::<String, Vec<Duration>>::new();
+    let transactional_id = db.transactional_id();
     let wait_progress = |from: usize, within: Duration| {
         let count = count.clone();
         async move {
@@ -390,9 +481,43 @@ async fn main() -> ExitCode {
     for n in 1..=args.faults {
         // Let the stream run a little, for random timing.
         tokio::time::sleep(Duration::from_millis(rng.random_range(50..600))).await;
-        let fault = pick(&mut rng, pair.is_some(), args.poll);
+        let fault = pick(&mut rng, pair.is_some(), args.poll, args.cluster);
+        let name = match fault {
+            Fault::Point(p) => format!("crash at {p}"),
+            other => format!("{other:?}"),
+        };
+        if let Fault::RollingRestart = fault {
+            // A recovery per broker stopped.
+            for node in ["1", "2", "3"] {
+                let before = count.load(Ordering::Relaxed);
+                let injected = Instant::now();
+                let restarting = tokio::task::spawn_blocking(move || {
+                    cluster::command(&["restart-broker", node]);
+                });
+                let recovery = wait_progress(before, Duration::from_secs(90)).await;
+                let _ = restarting.await;
+                record(
+                    &mut recoveries,
+                    &name,
+                    n,
+                    recovery.map(|_| injected.elapsed()),
+                );
+                wait_in_sync().await;
+            }
+            *tally.entry(name).or_default() += 1;
+            max_recovery = recoveries
+                .values()
+                .flatten()
+                .copied()
+                .max()
+                .unwrap_or_default();
+            continue;
+        }
         let before = count.load(Ordering::Relaxed);
         let mut injected = Instant::now();
+        // What brings the cluster back whole after a broker fault.
+        let mut killed: Option<String> = None;
+        let mut resuming = None;
         match fault {
             Fault::Point(point) => {
                 forwarder.kill9().await;
@@ -445,6 +570,32 @@ async fn main() -> ExitCode {
                 }
             }
             Fault::Broker => stack_command(&["restart-kafka"]),
+            Fault::LeaderKill | Fault::CoordinatorKill | Fault::ControllerKill => {
+                let partition = "0".to_owned();
+                let role: Vec<&str> = match fault {
+                    Fault::LeaderKill => vec!["leader", &topic, &partition],
+                    Fault::CoordinatorKill => vec!["coordinator", &transactional_id],
+                    _ => vec!["controller"],
+                };
+                match cluster::broker_of(&role) {
+                    Some(node) => {
+                        injected = Instant::now();
+                        cluster::command(&["kill-broker", &node]);
+                        killed = Some(node);
+                    }
+                    None => println!("  fault {n} ({name}): the cluster named no broker for it"),
+                }
+            }
+            Fault::BrokerPause => {
+                let node = rng.random_range(1..=3).to_string();
+                cluster::command(&["pause-broker", &node]);
+                injected = Instant::now();
+                resuming = Some(tokio::spawn(async move {
+                    tokio::time::sleep(PAUSE).await;
+                    cluster::command(&["resume-broker", &node]);
+                }));
+            }
+            Fault::RollingRestart => unreachable!("handled above"),
             Fault::SlotLost => db.lose_slot().await,
             Fault::Failover => {
                 let pair = pair.as_mut().expect("failovers run on a pair");
@@ -457,26 +608,20 @@ async fn main() -> ExitCode {
                 pair.promote();
             }
         }
-        let name = match fault {
-            Fault::Point(p) => format!("crash at {p}"),
-            other => format!("{other:?}"),
-        };
         *tally.entry(name.clone()).or_default() += 1;
-        match wait_progress(before, Duration::from_secs(90)).await {
-            Some(_) => {
-                let recovery = injected.elapsed();
-                if recovery > Duration::from_secs(10) {
-                    println!(
-                        "  fault {n} ({name}): progress again after {:.1} s",
-                        recovery.as_secs_f64()
-                    );
-                }
-                max_recovery = max_recovery.max(recovery);
-            }
-            None => {
-                eprintln!("fault {n} ({name}): no progress within 90 s");
-                max_recovery = Duration::from_secs(90);
-            }
+        let recovery = wait_progress(before, Duration::from_secs(90))
+            .await
+            .map(|_| injected.elapsed());
+        record(&mut recoveries, &name, n, recovery);
+        max_recovery = max_recovery.max(recovery.unwrap_or(Duration::from_secs(90)));
+        if let Some(resuming) = resuming {
+            let _ = resuming.await;
+        }
+        if let Some(node) = killed {
+            cluster::command(&["start-broker", &node]);
+        }
+        if args.cluster {
+            wait_in_sync().await;
         }
         if let (Fault::Failover, Some(pair)) = (fault, &pair) {
             // A new standby where the old primary was, for the next one.
@@ -524,6 +669,22 @@ async fn main() -> ExitCode {
         rolled_back.len()
     );
     println!("max recovery         {:.1} s", max_recovery.as_secs_f64());
+    println!("recovery, from the fault to the first event delivered after it (s):");
+    println!(
+        "  {:<28} {:>5} {:>7} {:>7} {:>7}",
+        "", "n", "median", "p95", "max"
+    );
+    for (name, times) in &mut recoveries {
+        times.sort();
+        let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize].as_secs_f64();
+        println!(
+            "  {name:<28} {:>5} {:>7.1} {:>7.1} {:>7.1}",
+            times.len(),
+            at(0.5),
+            at(0.95),
+            at(1.0)
+        );
+    }
     println!(
         "peak retained WAL    {} kB",
         peak_wal.load(Ordering::Relaxed) >> 10
