@@ -371,7 +371,8 @@ mod tests {
                 | "poll_interval_ms"
                 | "poll_lease_ms"
                 | "poll_max_events"
-                | "poll_max_aggregates" => {
+                | "poll_max_aggregates"
+                | "offsets_replication_factor" => {
                     format!("{} = 1\n", r.key)
                 }
                 "delivery" => "delivery = \"exactly_once\"\n".into(),

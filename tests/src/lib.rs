@@ -362,19 +362,30 @@ impl TestDb {
 
     /// Creates a topic with `partitions` partitions; several keys share one.
     pub async fn create_topic(&self, aggregate_type: &str, partitions: i32) -> String {
+        self.create_topic_with(aggregate_type, partitions, &[])
+            .await
+    }
+
+    /// The same with topic settings.
+    pub async fn create_topic_with(
+        &self,
+        aggregate_type: &str,
+        partitions: i32,
+        settings: &[(&str, &str)],
+    ) -> String {
         let topic = self.topic(aggregate_type);
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", &self.stack.kafka)
             .create()
             .expect("admin client");
+        // The cluster's default.replication.factor.
+        let mut new = NewTopic::new(&topic, partitions, TopicReplication::Fixed(-1));
+        for (key, value) in settings {
+            new = new.set(key, value);
+        }
         let results = admin
             .create_topics(
-                &[NewTopic::new(
-                    &topic,
-                    partitions,
-                    // The cluster's default.replication.factor.
-                    TopicReplication::Fixed(-1),
-                )],
+                &[new],
                 &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
             )
             .await
@@ -625,6 +636,9 @@ pub struct Record {
     pub key: String,
     pub headers: BTreeMap<String, String>,
     pub payload: String,
+    /// The record's timestamp in Unix milliseconds: when the broker appended
+    /// it on a topic with `message.timestamp.type=LogAppendTime`.
+    pub timestamp_ms: Option<i64>,
 }
 
 impl Record {
@@ -870,6 +884,7 @@ impl Reader {
             key: text(message.key()),
             headers,
             payload: text(message.payload()),
+            timestamp_ms: message.timestamp().to_millis(),
         });
     }
 }

@@ -5,7 +5,7 @@
 //! read_committed consumer received.
 //!
 //! fault-campaign [--faults N] [--mode exactly-once|at-least-once] [--seed S] [--failover]
-//!                [--source poll] [--kafka-brokers 1|3]
+//!                [--source poll] [--kafka-brokers 1|3] [--only KIND]
 //!
 //! --failover runs on a primary and standby of the campaign's own and adds
 //! primary failovers (SIGKILL of the primary, promotion of the standby, a
@@ -26,6 +26,10 @@
 //! restart. A killed broker is started again once the stream recovered, and
 //! the next fault waits until no partition is under-replicated.
 //!
+//! --only repeats one kind of Kafka fault: leader-kill, coordinator-kill,
+//! controller-kill, broker-pause, rolling-restart (three brokers) or
+//! broker-restart (the single broker).
+//!
 //! Recovery, per fault kind: from the fault to the first event delivered
 //! after it.
 //!
@@ -35,7 +39,7 @@
 
 use std::collections::HashSet;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -135,6 +139,8 @@ struct Args {
     poll: bool,
     /// The stack's cluster of three brokers instead of the single one.
     cluster: bool,
+    /// Only this broker fault, to study one kind's recovery.
+    only: Option<Fault>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -145,6 +151,7 @@ fn parse_args() -> Result<Args, String> {
         failover: false,
         poll: false,
         cluster: std::env::var("OUTBOX_KAFKA_BROKERS").as_deref() == Ok("3"),
+        only: None,
     };
     let mut mode_given = false;
     let mut it = std::env::args().skip(1);
@@ -159,6 +166,17 @@ fn parse_args() -> Result<Args, String> {
                     "1" => false,
                     other => return Err(format!("--kafka-brokers is 1 or 3, not {other:?}")),
                 }
+            }
+            "--only" => {
+                args.only = Some(match value()?.as_str() {
+                    "leader-kill" => Fault::LeaderKill,
+                    "coordinator-kill" => Fault::CoordinatorKill,
+                    "controller-kill" => Fault::ControllerKill,
+                    "broker-pause" => Fault::BrokerPause,
+                    "rolling-restart" => Fault::RollingRestart,
+                    "broker-restart" => Fault::Broker,
+                    other => return Err(format!("--only takes leader-kill, coordinator-kill, controller-kill, broker-pause, rolling-restart or broker-restart, not {other:?}")),
+                })
             }
             "--seed" => args.seed = value()?.parse().map_err(|_| "--seed takes a number")?,
             "--source" => {
@@ -344,7 +362,14 @@ async fn main() -> ExitCode {
         db.drop().await;
         return ExitCode::from(2);
     }
-    let topic = db.create_topic("campaign", 3).await;
+    // Append times tell when each event reached Kafka, whatever the reader's lag.
+    let topic = db
+        .create_topic_with(
+            "campaign",
+            3,
+            &[("message.timestamp.type", "LogAppendTime")],
+        )
+        .await;
     // Polling: relays get names; the one the faults hit is renamed when it
     // is killed, so that its leases must expire before they move.
     let mut generation = 0;
@@ -388,20 +413,23 @@ async fn main() -> ExitCode {
         })
         .collect();
 
-    // The consumer runs throughout; `count` tells the campaign about progress.
+    // The consumer runs throughout; `count` tells the campaign about
+    // progress, `appended` the latest append time it read (Unix ms).
     let count = Arc::new(AtomicUsize::new(0));
+    let appended = Arc::new(AtomicI64::new(0));
     let records: Arc<Mutex<Vec<Record>>> = Arc::default();
     let reading = Arc::new(AtomicBool::new(true));
     // Once the campaign hands over the committed ids, the consumer reads until
     // it has seen each of them, then to the end of the topic.
     let target: Arc<Mutex<Option<HashSet<String>>>> = Arc::default();
     let consumer = {
-        let (stack, topic, count, records, target) = (
+        let (stack, topic, count, records, target, appended) = (
             db.stack.clone(),
             topic.clone(),
             count.clone(),
             records.clone(),
             target.clone(),
+            appended.clone(),
         );
         tokio::spawn(async move {
             let mut reader = Reader::new(&stack, &[&topic]);
@@ -409,7 +437,11 @@ async fn main() -> ExitCode {
                 if let Some(ids) = target.lock().unwrap_or_else(|e| e.into_inner()).take() {
                     break ids;
                 }
+                let seen = reader.records.len();
                 reader.poll(Duration::from_millis(200)).await;
+                for record in &reader.records[seen..] {
+                    appended.fetch_max(record.timestamp_ms.unwrap_or(0), Ordering::Relaxed);
+                }
                 count.store(reader.records.len(), Ordering::Relaxed);
             };
             let _all_seen = reader
@@ -464,24 +496,34 @@ async fn main() -> ExitCode {
     let mut tally = std::collections::BTreeMap::<String, usize>::new();
     let mut recoveries = std::collections::BTreeMap::<String, Vec<Duration>>::new();
     let transactional_id = db.transactional_id();
-    let wait_progress = |from: usize, within: Duration| {
-        let count = count.clone();
+    // Recovery: from the fault to the append of the first event read after
+    // it; `None` when none is appended within `within`.
+    let recovered = |injected: Instant, within: Duration| {
+        let appended = appended.clone();
         async move {
-            let start = Instant::now();
-            while count.load(Ordering::Relaxed) <= from {
-                if start.elapsed() > within {
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as i64);
+            let fault_ms = now_ms - injected.elapsed().as_millis() as i64;
+            loop {
+                let at = appended.load(Ordering::Relaxed);
+                if at > fault_ms {
+                    return Some(Duration::from_millis((at - fault_ms) as u64));
+                }
+                if injected.elapsed() > within {
                     return None;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            Some(start.elapsed())
         }
     };
 
     for n in 1..=args.faults {
         // Let the stream run a little, for random timing.
         tokio::time::sleep(Duration::from_millis(rng.random_range(50..600))).await;
-        let fault = pick(&mut rng, pair.is_some(), args.poll, args.cluster);
+        let fault = args
+            .only
+            .unwrap_or_else(|| pick(&mut rng, pair.is_some(), args.poll, args.cluster));
         let name = match fault {
             Fault::Point(p) => format!("crash at {p}"),
             other => format!("{other:?}"),
@@ -489,19 +531,13 @@ async fn main() -> ExitCode {
         if let Fault::RollingRestart = fault {
             // A recovery per broker stopped.
             for node in ["1", "2", "3"] {
-                let before = count.load(Ordering::Relaxed);
                 let injected = Instant::now();
                 let restarting = tokio::task::spawn_blocking(move || {
                     cluster::command(&["restart-broker", node]);
                 });
-                let recovery = wait_progress(before, Duration::from_secs(90)).await;
+                let recovery = recovered(injected, Duration::from_secs(90)).await;
                 let _ = restarting.await;
-                record(
-                    &mut recoveries,
-                    &name,
-                    n,
-                    recovery.map(|_| injected.elapsed()),
-                );
+                record(&mut recoveries, &name, n, recovery);
                 wait_in_sync().await;
             }
             *tally.entry(name).or_default() += 1;
@@ -513,7 +549,6 @@ async fn main() -> ExitCode {
                 .unwrap_or_default();
             continue;
         }
-        let before = count.load(Ordering::Relaxed);
         let mut injected = Instant::now();
         // What brings the cluster back whole after a broker fault.
         let mut killed: Option<String> = None;
@@ -609,9 +644,7 @@ async fn main() -> ExitCode {
             }
         }
         *tally.entry(name.clone()).or_default() += 1;
-        let recovery = wait_progress(before, Duration::from_secs(90))
-            .await
-            .map(|_| injected.elapsed());
+        let recovery = recovered(injected, Duration::from_secs(90)).await;
         record(&mut recoveries, &name, n, recovery);
         max_recovery = max_recovery.max(recovery.unwrap_or(Duration::from_secs(90)));
         if let Some(resuming) = resuming {
@@ -669,7 +702,7 @@ async fn main() -> ExitCode {
         rolled_back.len()
     );
     println!("max recovery         {:.1} s", max_recovery.as_secs_f64());
-    println!("recovery, from the fault to the first event delivered after it (s):");
+    println!("recovery, from the fault to the append of the first event delivered after it (s):");
     println!(
         "  {:<28} {:>5} {:>7} {:>7} {:>7}",
         "", "n", "median", "p95", "max"
