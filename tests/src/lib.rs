@@ -356,6 +356,25 @@ impl TestDb {
         format!("{}.{{aggregate_type}}", self.topic_prefix)
     }
 
+    /// Runs an `outbox-forwarder` subcommand (`check`, `redrive`, ...) on this
+    /// database's slot and topics to completion: exit code, stdout, stderr.
+    pub async fn forwarder_subcommand(&self, subcommand: &str) -> (i32, String, String) {
+        let url = self.forwarder_url();
+        let template = self.topic_template();
+        forwarder_command(&[
+            subcommand,
+            "--postgres-url",
+            &url,
+            "--kafka-bootstrap",
+            &self.stack.kafka,
+            "--slot",
+            &self.slot,
+            "--topic-template",
+            &template,
+        ])
+        .await
+    }
+
     pub fn topic(&self, aggregate_type: &str) -> String {
         format!("{}.{aggregate_type}", self.topic_prefix)
     }
@@ -959,6 +978,23 @@ pub struct Verdict {
     pub duplicates: usize,
     pub phantoms: usize,
     pub order_violations: usize,
+}
+
+impl Verdict {
+    /// Every committed event delivered once, in order per aggregate, and
+    /// nothing of a rolled-back transaction.
+    pub fn assert_exactly_once(&self) {
+        assert_eq!(
+            (
+                self.lost,
+                self.duplicates,
+                self.order_violations,
+                self.phantoms
+            ),
+            (0, 0, 0, 0),
+            "{self:?}"
+        );
+    }
 }
 
 /// Compares the records with the committed events: loss, duplicates,

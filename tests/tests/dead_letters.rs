@@ -76,20 +76,7 @@ fn by_event(records: &[Record]) -> BTreeMap<&str, &Record> {
 }
 
 async fn redrive(db: &TestDb) -> (i32, String, String) {
-    let url = db.forwarder_url();
-    let template = db.topic_template();
-    forwarder_command(&[
-        "redrive",
-        "--postgres-url",
-        &url,
-        "--kafka-bootstrap",
-        &db.stack.kafka,
-        "--slot",
-        &db.slot,
-        "--topic-template",
-        &template,
-    ])
-    .await
+    db.forwarder_subcommand("redrive").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,14 +19,6 @@ async fn read_all(db: &TestDb, reader: &mut Reader, topic: &str) -> Verdict {
     read_every_committed(db, reader, topic, WAIT).await
 }
 
-fn assert_exactly_once(v: &Verdict) {
-    assert_eq!(
-        (v.lost, v.duplicates, v.phantoms, v.order_violations),
-        (0, 0, 0, 0),
-        "{v:?}"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exactly_once_survives_sigkill_without_duplicates() {
     let db = TestDb::create("eos_kill").await;
@@ -49,7 +41,7 @@ async fn exactly_once_survives_sigkill_without_duplicates() {
 
     let v = read_all(&db, &mut reader, &topic).await;
     eprintln!("{v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     second.kill9().await;
     db.drop().await;
 }
@@ -72,7 +64,7 @@ async fn events_written_before_the_first_start_are_delivered_once_in_both_modes(
         let mut reader = Reader::new(&db.stack, &[&topic]);
         let v = read_all(&db, &mut reader, &topic).await;
         eprintln!("{mode}: {v:?}");
-        assert_exactly_once(&v);
+        v.assert_exactly_once();
         forwarder.kill9().await;
         db.drop().await;
     }
@@ -98,7 +90,7 @@ async fn a_catch_up_dies_and_is_redone(db: &TestDb, reader: &mut Reader, topic: 
     let forwarder = Forwarder::spawn(db, EOS);
     let v = read_all(db, reader, topic).await;
     eprintln!("{v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     forwarder.kill9().await;
 }
 
@@ -171,7 +163,7 @@ async fn the_stored_offset_is_found_behind_other_forwarders_records() {
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let v = read_all(&db, &mut reader, &topic).await;
     eprintln!("{v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     second.kill9().await;
     db.drop().await;
 }
@@ -297,7 +289,7 @@ async fn the_sql_edition_moves_in_place_to_the_extension_under_a_running_forward
     let v = read_all(&db, &mut reader, &topic).await;
     eprintln!("{v:?}");
     assert!(v.committed > 300, "{v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     forwarder.kill9().await;
     drop((writer, moved));
     db.drop().await;
@@ -399,7 +391,7 @@ async fn a_lost_slot_is_recovered_without_losing_or_repeating_an_event() {
         "exactly-once: {v:?}; {held:?}; {}",
         status["stored_horizon"]
     );
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     // status shows the horizon Kafka now holds.
     assert!(status["stored_horizon"]["snapshot"].is_string(), "{status}");
 }
@@ -495,7 +487,7 @@ async fn a_forwarder_killed_inside_its_commit_holds_back_no_other() {
     write_transactions(&mut b.admin().await, "ore", 3, 20).await;
     let v = read_all(&b, &mut b_reader, &b_topic).await;
     eprintln!("B: {v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     assert!(
         has_open_transaction(&a.stack, &a_offsets).await,
         "B must have streamed while A's transaction was still open"
@@ -506,7 +498,7 @@ async fn a_forwarder_killed_inside_its_commit_holds_back_no_other() {
     let mut a_reader = Reader::new(&a.stack, &[&a_topic]);
     let v = read_all(&a, &mut a_reader, &a_topic).await;
     eprintln!("A: {v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     a_again.kill9().await;
     b_second.kill9().await;
     a.drop().await;
@@ -545,7 +537,7 @@ async fn an_upgraded_forwarder_keeps_the_offset_of_the_shared_topic() {
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let v = read_all(&db, &mut reader, &topic).await;
     eprintln!("{v:?}");
-    assert_exactly_once(&v);
+    v.assert_exactly_once();
     assert!(
         upgraded
             .log_text()

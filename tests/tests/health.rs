@@ -37,19 +37,6 @@ async fn until_answer(
     panic!("{path} never answered {status} with {reason:?} within {timeout:?}; last: {last:?}");
 }
 
-fn assert_exactly_once(verdict: &pg_outbox_tests::Verdict) {
-    assert_eq!(
-        (
-            verdict.lost,
-            verdict.duplicates,
-            verdict.order_violations,
-            verdict.phantoms
-        ),
-        (0, 0, 0, 0),
-        "{verdict:?}"
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn liveness_fails_while_the_loop_is_stuck_and_returns_after() {
     let _serial = ONE_AT_A_TIME.lock().await;
@@ -139,7 +126,7 @@ async fn readiness_fails_while_the_broker_hangs_and_returns_after() {
     write_transactions(&mut writer, "box", 5, 50).await;
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
-    assert_exactly_once(&verdict);
+    verdict.assert_exactly_once();
     forwarder.kill9().await;
     db.drop().await;
 }

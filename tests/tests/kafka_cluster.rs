@@ -12,8 +12,7 @@ use std::time::Duration;
 
 use pg_outbox_tests::cluster::{self, skip_without_cluster};
 use pg_outbox_tests::{
-    forwarder_command, read_every_committed, write_transactions_through_restarts, Forwarder,
-    Reader, TestDb, Verdict,
+    read_every_committed, write_transactions_through_restarts, Forwarder, Reader, TestDb, Verdict,
 };
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -63,16 +62,7 @@ async fn goes_on(reader: &mut Reader, after: &str) {
 }
 
 fn assert_exactly_once(verdict: &Verdict) {
-    assert_eq!(
-        (
-            verdict.lost,
-            verdict.duplicates,
-            verdict.order_violations,
-            verdict.phantoms
-        ),
-        (0, 0, 0, 0),
-        "{verdict:?}"
-    );
+    verdict.assert_exactly_once();
     assert!(verdict.committed > 0, "{verdict:?}");
 }
 
@@ -168,26 +158,7 @@ async fn check_warns_of_a_written_topic_with_a_single_replica() {
     }
     let _serial = ONE_AT_A_TIME.lock().await;
     let db = TestDb::create("cluster_check").await;
-    let url = db.forwarder_url();
-    let template = db.topic_template();
-    let check = || {
-        let args = [
-            "check",
-            "--postgres-url",
-            &url,
-            "--kafka-bootstrap",
-            &db.stack.kafka,
-            "--slot",
-            &db.slot,
-            "--topic-template",
-            &template,
-        ]
-        .map(str::to_owned);
-        async move {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            forwarder_command(&args).await
-        }
-    };
+    let check = || db.forwarder_subcommand("check");
     db.create_topic("replicated", 3).await;
     let (code, out, _) = check().await;
     assert_eq!(code, 0, "{out}");

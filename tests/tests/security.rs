@@ -41,16 +41,7 @@ async fn events_travel_over_verified_tls_and_sasl_ssl_exactly_once() {
     let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
     eprintln!("{verdict:?}");
     assert!(verdict.committed > 200, "{verdict:?}");
-    assert_eq!(
-        (
-            verdict.lost,
-            verdict.duplicates,
-            verdict.order_violations,
-            verdict.phantoms
-        ),
-        (0, 0, 0, 0),
-        "{verdict:?}"
-    );
+    verdict.assert_exactly_once();
 
     // Every connection of the forwarder to this database, the walsender of
     // the replication stream included, is encrypted.
