@@ -35,18 +35,38 @@ pub fn broker_of(role: &[&str]) -> Option<String> {
 /// Waits until every partition has all its replicas in sync, so that the
 /// next fault finds the cluster whole; false after `timeout`.
 pub async fn wait_in_sync(timeout: Duration) -> bool {
+    wait_for(&["under-replicated"], timeout, |count| count == "0")
+        .await
+        .is_some()
+}
+
+/// Asks `broker-of` about `role` until its answer is `accepted`, as while
+/// the cluster elects a new holder; the last answer, or `None` when none
+/// was accepted within `timeout`.
+pub async fn wait_for(
+    role: &[&str],
+    timeout: Duration,
+    accepted: impl Fn(&str) -> bool,
+) -> Option<String> {
     let until = Instant::now() + timeout;
+    let args: Vec<String> = ["broker-of"]
+        .iter()
+        .chain(role)
+        .map(|a| a.to_string())
+        .collect();
     while Instant::now() < until {
-        let count = tokio::task::spawn_blocking(|| {
-            stack_output(&["broker-of", "under-replicated"], CLUSTER)
+        let args = args.clone();
+        let answer = tokio::task::spawn_blocking(move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            stack_output(&args, CLUSTER)
         })
         .await
         .ok()
         .flatten();
-        if count.as_deref() == Some("0") {
-            return true;
+        if answer.as_deref().is_some_and(&accepted) {
+            return answer;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    false
+    None
 }

@@ -137,17 +137,12 @@ async fn a_hung_transaction_coordinator_loses_and_duplicates_nothing() {
     let hung = holder(&["coordinator", &db.transactional_id()]);
     cluster::command(&["pause-broker", &hung]);
     tokio::time::sleep(Duration::from_secs(14)).await;
-    let until = std::time::Instant::now() + Duration::from_secs(60);
-    let moved = loop {
-        let id = db.transactional_id();
-        let now = tokio::task::spawn_blocking(move || cluster::broker_of(&["coordinator", &id]))
-            .await
-            .expect("broker-of");
-        if now.as_ref().is_some_and(|m| *m != hung) || std::time::Instant::now() > until {
-            break now;
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    };
+    let moved = cluster::wait_for(
+        &["coordinator", &db.transactional_id()],
+        Duration::from_secs(60),
+        |node| matches!(node, "1" | "2" | "3") && node != hung,
+    )
+    .await;
     cluster::command(&["resume-broker", &hung]);
     assert!(
         moved.as_ref().is_some_and(|m| *m != hung),
