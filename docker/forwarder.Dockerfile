@@ -1,16 +1,26 @@
-# outbox-forwarder, built in one stage and run from a slim image.
-# Build from the repository root: docker build -f docker/forwarder.Dockerfile .
+# outbox-forwarder: built in a Rust image, run from a slim Debian one as a
+# non-root user, with only the binary and the libraries it links (OpenSSL,
+# zlib, libc). The health check asks the forwarder's own /healthz.
+# From the repository root: docker build -f docker/forwarder.Dockerfile -t outbox-forwarder .
 FROM rust:1.95-bookworm AS build
-RUN apt-get update && apt-get install -y --no-install-recommends cmake libssl-dev pkg-config && rm -rf /var/lib/apt/lists/*
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends cmake \
+ && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .
-RUN cargo build --release -p cdc_forwarder --bin outbox-forwarder
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked -p cdc_forwarder --bin outbox-forwarder \
+ && cp target/release/outbox-forwarder /outbox-forwarder
 
 FROM debian:bookworm-slim
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates zlib1g libssl3 \
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates libssl3 zlib1g \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=build /src/target/release/outbox-forwarder /usr/local/bin/outbox-forwarder
+COPY --from=build /outbox-forwarder /usr/local/bin/outbox-forwarder
 USER 65532:65532
+ENV OUTBOX_METRICS_LISTEN=0.0.0.0:9187 OUTBOX_LOG_FORMAT=json
 EXPOSE 9187
+HEALTHCHECK --interval=5s --timeout=4s --start-period=30s --retries=3 CMD ["outbox-forwarder", "probe"]
 ENTRYPOINT ["outbox-forwarder"]
 CMD ["run"]

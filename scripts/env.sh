@@ -50,6 +50,10 @@ cluster_controller_port() { echo $((59120 + $1)); }
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$ROOT/scripts/kafka/pom.xml")
 KAFKA_LIBS=$CACHE_DIR/kafka-$KAFKA_VERSION/libs
 PGRX_VERSION=0.18.1
+# helm and promtool check the Helm chart and the alert rules.
+TOOLS_BIN=$CACHE_DIR/tools/bin
+HELM_VERSION=v4.3.2
+PROMTOOL_VERSION=v0.316.0
 
 PG_SUPERUSER_PASSWORD=postgres
 FORWARDER_ROLE=outbox_forwarder

@@ -55,6 +55,10 @@ pub enum Error {
     #[error("kafka: a transaction was aborted or its commit failed; a fresh producer takes over the transactional id before the next one")]
     EpochSpent,
 
+    /// A running forwarder's health endpoint did not answer 200 OK.
+    #[error("{0}")]
+    Unhealthy(String),
+
     /// An event that cannot be delivered; it is never skipped silently.
     #[error("event {event_id} cannot be delivered: {reason}")]
     Poison { event_id: String, reason: String },
@@ -82,6 +86,7 @@ impl Error {
             | Error::Decode(_)
             | Error::Layout(_)
             | Error::Fenced(_)
+            | Error::Unhealthy(_)
             | Error::Poison { .. } => false,
             // A certificate that does not verify stays refused until an
             // operator changes the certificate or the sslrootcert.
@@ -119,6 +124,7 @@ impl Error {
             Error::SlotBusy(_) => "slot_busy",
             Error::NoPrimary(_) => "no_primary",
             Error::Fenced(_) => "fenced",
+            Error::Unhealthy(_) => "unhealthy",
             Error::LeaseLost(_) => "lease_lost",
             Error::Poison { .. } => "poison",
         }

@@ -120,17 +120,7 @@ impl Health {
         if let Some(state) = state {
             return Err(state.to_owned());
         }
-        if let Some((since, error)) = self
-            .kafka_down
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
-            return Err(format!(
-                "kafka unreachable for {:.0} s: {error}",
-                self.since(*since).as_secs_f64()
-            ));
-        }
+        self.kafka_reachable()?;
         let max_lag = i64::try_from(self.limits.ready_max_lag_bytes).unwrap_or(i64::MAX);
         if lag > max_lag {
             return Err(format!("lag {lag} bytes, above {max_lag}"));
@@ -145,6 +135,24 @@ impl Health {
             ));
         }
         Ok(())
+    }
+}
+
+impl Health {
+    /// `Ok` unless the last metadata probes found no broker answering.
+    pub fn kafka_reachable(&self) -> Result<(), String> {
+        match self
+            .kafka_down
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            Some((since, error)) => Err(format!(
+                "kafka unreachable for {:.0} s: {error}",
+                self.since(*since).as_secs_f64()
+            )),
+            None => Ok(()),
+        }
     }
 }
 

@@ -115,6 +115,18 @@ enum Command {
         #[command(flatten)]
         args: Options,
     },
+    /// Ask a running forwarder's /healthz (or /readyz) and print its answer;
+    /// exits 0 when it is 200 OK and 1 otherwise: a container's health check,
+    /// in an image that has no HTTP client.
+    Probe {
+        /// Ask /readyz instead of /healthz.
+        #[arg(long)]
+        ready: bool,
+        /// The forwarder's --metrics-listen address (0.0.0.0 is asked on
+        /// 127.0.0.1).
+        #[arg(long, env = "OUTBOX_METRICS_LISTEN", default_value = "127.0.0.1:9187")]
+        metrics_listen: std::net::SocketAddr,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -294,6 +306,15 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
                     "{refused} parked aggregates still have a refused event; fix the cause and run redrive again"
                 )));
             }
+            Ok(())
+        }
+        Command::Probe {
+            ready,
+            metrics_listen,
+        } => {
+            let path = if ready { "/readyz" } else { "/healthz" };
+            let answer = runtime.block_on(metrics::probe(metrics_listen, path))?;
+            print!("{answer}");
             Ok(())
         }
         Command::Publication { action, args } => {

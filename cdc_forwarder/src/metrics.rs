@@ -40,6 +40,8 @@ pub struct Metrics {
     pub end_to_end_seconds: Histogram,
     pub lag_bytes: Gauge,
     pub retained_wal_bytes: Gauge,
+    /// The slot's `wal_status`, as [`wal_status_code`] numbers it.
+    pub slot_wal_status: Gauge,
     pub confirmed_lsn: Gauge,
     pub retries: Counter,
     pub errors: Family<ErrorKind, Counter>,
@@ -78,6 +80,7 @@ impl Metrics {
         let end_to_end_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
         let lag_bytes = Gauge::default();
         let retained_wal_bytes = Gauge::default();
+        let slot_wal_status = Gauge::default();
         let confirmed_lsn = Gauge::default();
         let retries = Counter::default();
         let errors = Family::<ErrorKind, Counter>::default();
@@ -131,6 +134,11 @@ impl Metrics {
             "retained_wal_bytes",
             "WAL the slot holds back (from its restart_lsn)",
             retained_wal_bytes.clone(),
+        );
+        registry.register(
+            "slot_wal_status",
+            "The slot's wal_status: 0 reserved, 1 extended, 2 unreserved (about to be lost), 3 lost",
+            slot_wal_status.clone(),
         );
         registry.register(
             "confirmed_lsn",
@@ -208,6 +216,7 @@ impl Metrics {
             end_to_end_seconds,
             lag_bytes,
             retained_wal_bytes,
+            slot_wal_status,
             confirmed_lsn,
             retries,
             errors,
@@ -245,9 +254,13 @@ impl Metrics {
     }
 
     /// `Ok` while this instance forwards, else why not (see [`crate::health`]).
-    pub fn readiness(&self) -> Result<(), String> {
+    /// With `standby_ready`, an instance waiting as the standby is ready too
+    /// while Kafka answers: a replica that can take over (what a Kubernetes
+    /// readiness probe and PodDisruptionBudget should count).
+    pub fn readiness(&self, standby_ready: bool) -> Result<(), String> {
         let state = match self.state() {
             1 => None,
+            2 if standby_ready => return self.health.kafka_reachable(),
             2 => Some("standby: another instance holds the slot"),
             3 => Some("reconnecting"),
             4 => Some("fenced: a newer instance took the transactional id"),
@@ -269,6 +282,17 @@ impl Metrics {
             out.clear();
         }
         out
+    }
+}
+
+/// `outbox_slot_wal_status` of a slot's `wal_status`, worse as it grows;
+/// an unknown status counts as the worst.
+pub fn wal_status_code(wal_status: &str) -> i64 {
+    match wal_status {
+        "reserved" => 0,
+        "extended" => 1,
+        "unreserved" => 2,
+        _ => 3,
     }
 }
 
@@ -314,8 +338,12 @@ pub async fn serve(
             "/readyz",
             get({
                 let m = metrics.clone();
-                move || async move {
-                    match m.readiness() {
+                move |uri: axum::http::Uri| async move {
+                    let standby_ready = uri
+                        .query()
+                        .is_some_and(|q| q.split('&').any(|p| p == "standby=ready"));
+                    match m.readiness(standby_ready) {
+                        Ok(()) if m.state() == 2 => (StatusCode::OK, "ready: standby\n".to_owned()),
                         Ok(()) => (StatusCode::OK, "ready: streaming\n".to_owned()),
                         Err(why) => (
                             StatusCode::SERVICE_UNAVAILABLE,
@@ -326,4 +354,38 @@ pub async fn serve(
             }),
         );
     axum::serve(listener, app).await
+}
+
+/// Asks a forwarder's endpoint `path` on `listen` (an unspecified address is
+/// asked on loopback) and returns its body when it answers 200 OK.
+pub async fn probe(listen: std::net::SocketAddr, path: &str) -> crate::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut address = listen;
+    if address.ip().is_unspecified() {
+        address.set_ip(match address {
+            std::net::SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+            std::net::SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+        });
+    }
+    let unhealthy = |why: String| crate::Error::Unhealthy(format!("{path} on {address}: {why}"));
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(address).await?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: {address}\r\n\r\n").as_bytes())
+            .await?;
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).await?;
+        Ok::<_, std::io::Error>(answer)
+    };
+    let answer = tokio::time::timeout(std::time::Duration::from_secs(3), exchange)
+        .await
+        .map_err(|_| unhealthy("no answer within 3 s".into()))?
+        .map_err(|e| unhealthy(e.to_string()))?;
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head.lines().next().unwrap_or_default();
+    if status.split_whitespace().nth(1) == Some("200") {
+        Ok(body.to_owned())
+    } else {
+        Err(unhealthy(format!("{status}: {}", body.trim())))
+    }
 }

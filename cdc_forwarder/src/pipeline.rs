@@ -347,9 +347,14 @@ impl Session<'_> {
             }
         }
         record_parked(&self.sql, self.config, &self.metrics).await?;
-        if let Some((lag, retained)) = slot::wal_figures(&self.sql, &self.config.slot).await? {
-            self.metrics.lag_bytes.set(lag);
-            self.metrics.retained_wal_bytes.set(retained);
+        if let Some(wal) = slot::wal_figures(&self.sql, &self.config.slot).await? {
+            if let (Some(lag), Some(retained)) = (wal.lag, wal.retained) {
+                self.metrics.lag_bytes.set(lag);
+                self.metrics.retained_wal_bytes.set(retained);
+            }
+            self.metrics
+                .slot_wal_status
+                .set(crate::metrics::wal_status_code(&wal.wal_status));
         }
         if self.config.delivery == Delivery::ExactlyOnce {
             return Ok(Some(slot::mark(&self.sql).await?));

@@ -291,18 +291,31 @@ pub async fn forget(client: &Client, slot: &str) -> Result<()> {
     Ok(())
 }
 
-/// The slot's lag (server position minus confirmed position) and retained
-/// WAL (server position minus restart_lsn), in bytes.
-pub async fn wal_figures(client: &Client, slot: &str) -> Result<Option<(i64, i64)>> {
+/// The slot's lag, retained WAL and `wal_status`; `None` without the slot.
+pub async fn wal_figures(client: &Client, slot: &str) -> Result<Option<WalFigures>> {
     let row = client
         .query_opt(
             "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint, \
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint \
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint, wal_status \
                FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
         .await?;
-    Ok(row.and_then(|r| Some((r.get::<_, Option<i64>>(0)?, r.get::<_, Option<i64>>(1)?))))
+    Ok(row.map(|r| WalFigures {
+        lag: r.get(0),
+        retained: r.get(1),
+        wal_status: r.get::<_, Option<String>>(2).unwrap_or_default(),
+    }))
+}
+
+/// A slot's WAL, in bytes from the server's position (none once lost).
+pub struct WalFigures {
+    /// To the confirmed position.
+    pub lag: Option<i64>,
+    /// To the restart position: what the slot holds back.
+    pub retained: Option<i64>,
+    /// `reserved`, `extended`, `unreserved` or `lost` (empty: unknown).
+    pub wal_status: String,
 }
 
 /// Creates the slot without a snapshot. The forwarder's first start then

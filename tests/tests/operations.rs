@@ -315,6 +315,12 @@ async fn a_standby_waits_then_takes_over_when_the_active_instance_dies() {
         .expect("readyz answers");
     assert_eq!(code, 503);
     assert!(body.contains("not ready: standby"), "{body}");
+    // Asked as a Kubernetes readiness probe asks it: a standby that can take
+    // over counts as ready.
+    let (code, body) = http_get(standby_port, "/readyz?standby=ready")
+        .await
+        .expect("readyz answers");
+    assert_eq!((code, body.as_str()), (200, "ready: standby\n"));
     wait_until(WAIT, "the active instance to be ready", || async {
         http_get(active_port, "/readyz").await.map(|r| r.0) == Some(200)
     })
