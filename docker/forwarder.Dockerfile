@@ -1,6 +1,7 @@
 # outbox-forwarder: built in a Rust image, run from a slim Debian one as a
-# non-root user, with only the binary and the libraries it links (OpenSSL,
-# zlib, libc). The health check asks the forwarder's own /healthz.
+# non-root user, with only the binary and what it links besides libc
+# (OpenSSL; librdkafka is linked in). The health check asks the
+# forwarder's own /healthz.
 # From the repository root: docker build -f docker/forwarder.Dockerfile -t outbox-forwarder .
 FROM rust:1.95-bookworm AS build
 RUN apt-get update \
@@ -15,8 +16,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 FROM debian:bookworm-slim
 RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates libssl3 zlib1g \
- && rm -rf /var/lib/apt/lists/*
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends ca-certificates libssl3 \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin
 COPY --from=build /outbox-forwarder /usr/local/bin/outbox-forwarder
 USER 65532:65532
 ENV OUTBOX_METRICS_LISTEN=0.0.0.0:9187 OUTBOX_LOG_FORMAT=json
