@@ -344,7 +344,8 @@ pub struct PollSettings {
     /// How long a relay waits when it found nothing pending.
     pub interval: Duration,
     /// How long a lease lasts without renewal: a killed relay's aggregates
-    /// are taken over after it.
+    /// are taken over after it, and a relay whose batches wait that long
+    /// for Kafka's acknowledgement lets its leases lapse.
     pub lease: Duration,
     /// Events fetched at a time.
     pub max_events: usize,

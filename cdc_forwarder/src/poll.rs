@@ -7,7 +7,11 @@
 //! the pending set (`outbox.poll_done`). An aggregate is published by one
 //! relay at a time; a relay that stops renewing loses its leases when they
 //! expire, and whoever takes an aggregate over starts from its first pending
-//! event: events can repeat, never go missing or out of order.
+//! event: events can repeat, never go missing or out of order. A relay
+//! whose batches wait for Kafka's acknowledgement longer than a lease (a
+//! hung broker connection, a stalled pipeline) stops renewing and ends its
+//! session, so that a relay stuck in a live process does not keep its
+//! aggregates from the others.
 //!
 //! Positions: each fetched batch is one transaction for the sink, and its
 //! number is its position. Confirming a position marks every batch up to it
@@ -158,6 +162,7 @@ impl PollSource {
             resume: None,
             next_lease: Instant::now(),
             saturated: false,
+            progress: Instant::now(),
         };
         let errors = batches_tx.clone();
         let task = tokio::spawn(async move {
@@ -258,6 +263,9 @@ struct Relay {
     /// The last fetch filled a whole batch: leases are then renewed on
     /// their schedule only.
     saturated: bool,
+    /// When the pipeline last showed progress: a batch handed while none
+    /// was outstanding, or batches marked done.
+    progress: Instant,
 }
 
 impl Relay {
@@ -273,6 +281,15 @@ impl Relay {
             if *stop.borrow_and_update() {
                 self.release().await?;
                 return Ok(());
+            }
+            if self.stalled() {
+                tracing::warn!(
+                    relay = %self.settings.relay,
+                    batches = self.handed.len(),
+                    lease_ms = self.settings.lease.as_millis() as u64,
+                    "no batch acknowledged by Kafka for a whole lease: letting the leases lapse so that other relays publish these aggregates"
+                );
+                return Err(Error::LeaseLost(self.settings.relay.clone()));
             }
             if !self.saturated || Instant::now() >= self.next_lease {
                 self.lease().await?;
@@ -302,6 +319,12 @@ impl Relay {
                 }
             }
         }
+    }
+
+    /// Whether batches have waited for Kafka a whole lease: renewing then
+    /// would hold their aggregates for a pipeline that is not moving.
+    fn stalled(&self) -> bool {
+        !self.handed.is_empty() && self.progress.elapsed() >= self.settings.lease
     }
 
     /// Renews this relay's leases, gives back aggregates with nothing
@@ -411,6 +434,9 @@ impl Relay {
         for (aggregate, seq) in &last {
             self.in_hand.insert(aggregate.clone(), *seq);
         }
+        if self.handed.is_empty() {
+            self.progress = Instant::now();
+        }
         self.handed
             .push_back((self.batch_no, last.into_iter().collect()));
         Ok(Some(changes))
@@ -444,6 +470,7 @@ impl Relay {
             )
             .await?;
         faults::check("after_poll_done");
+        self.progress = Instant::now();
         for (aggregate, seq) in done {
             if self.in_hand.get(&aggregate) == Some(&seq) {
                 self.in_hand.remove(&aggregate);

@@ -88,10 +88,13 @@ async fn poll_status(client: &Client) -> (bool, i64, i64, i64) {
 async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
     let (db, admin, topic, url) = polling_db("poll_kill", 3).await;
 
+    // A relay holds at most 4 of the 12 aggregates, so that while more
+    // than 4 have pending events the work is shared by construction.
+    let relay = |name: &str| relay_with(&db, &url, name, &["--poll-max-aggregates", "4"]);
     let mut relays: Vec<(String, Forwarder)> = (0..3)
         .map(|i| {
             let name = format!("relay-{i}");
-            let f = relay(&db, &url, &name);
+            let f = relay(&name);
             (name, f)
         })
         .collect();
@@ -123,18 +126,30 @@ async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
         }));
     }
 
+    // Meanwhile, note the most relays that held leases at once.
+    let sampler = {
+        let admin = db.admin().await;
+        let writing: Vec<_> = writers.iter().map(|w| w.abort_handle()).collect();
+        tokio::spawn(async move {
+            let mut most = 0;
+            while writing.iter().any(|w| !w.is_finished()) {
+                most = most.max(poll_status(&admin).await.3);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            most
+        })
+    };
+
     // While they write: SIGKILL a relay at random every second or so and
     // start it again, half the time under a new name (its leases must then
     // expire before another relay takes them), half the time under its own
-    // (it resumes them at once). Meanwhile, note how many relays held leases.
+    // (it resumes them at once).
     let mut kills = 0;
     let mut logs = Vec::new();
-    let mut most_relays = 0;
     let mut generation = 0;
     while writers.iter().any(|w| !w.is_finished()) || kills < 6 {
         let pause = Duration::from_millis(rand::rng().random_range(600..1400));
         tokio::time::sleep(pause).await;
-        most_relays = most_relays.max(poll_status(&admin).await.3);
         let victim = rand::rng().random_range(0..relays.len());
         let (name, forwarder) = relays.remove(victim);
         logs.push(forwarder.log.clone());
@@ -146,12 +161,13 @@ async fn three_relays_killed_at_random_lose_nothing_and_keep_aggregate_order() {
         } else {
             name
         };
-        let f = relay(&db, &url, &name);
+        let f = relay(&name);
         relays.push((name, f));
     }
     for w in writers {
         w.await.expect("writer");
     }
+    let most_relays = sampler.await.expect("lease sampler");
 
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
@@ -490,6 +506,84 @@ async fn an_aggregate_leased_by_a_frozen_relay_waits_for_its_lease_to_expire() {
         },
     )
     .await;
+    live.kill9().await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_never_hears_from_kafka_lets_its_leases_lapse_to_the_others() {
+    let (db, admin, topic, url) = polling_db("poll_hung", 2).await;
+    for n in 1..=4 {
+        for _ in 0..3 {
+            emit(&admin, "acct", &format!("acct-{n}"), "Moved", "{}").await;
+        }
+    }
+
+    // Its first delivery report blocks librdkafka's thread for ten minutes:
+    // the relay's process and its leases live on, its pipeline never hears
+    // that anything was delivered.
+    let args = [
+        "--postgres-url",
+        &url,
+        "--kafka-bootstrap",
+        &db.stack.kafka,
+        "--source",
+        "poll",
+        "--relay-name",
+        "hung",
+        "--poll-lease-ms",
+        LEASE_MS,
+    ];
+    let hung = Forwarder::spawn_connected(
+        &db,
+        &args,
+        &[
+            ("OUTBOX_FAULT", "on_delivery_report"),
+            ("OUTBOX_FAULT_STALL_MS", "600000"),
+        ],
+    );
+    wait_until(
+        WAIT,
+        "the hung relay's delivery reports to stall",
+        || async {
+            hung.log_text()
+                .contains("fault point on_delivery_report fired")
+        },
+    )
+    .await;
+    let held: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM outbox.poll_leases WHERE relay = 'hung'",
+            &[],
+        )
+        .await
+        .expect("the hung relay's leases")
+        .get(0);
+    assert!(held > 0, "the hung relay held no aggregate when it stalled");
+
+    // Events emitted since, and another relay: it publishes every
+    // aggregate, the hung one's included, while the hung one still waits.
+    for n in 1..=4 {
+        emit(&admin, "acct", &format!("acct-{n}"), "Moved", "{}").await;
+    }
+    let live = relay(&db, &url, "live");
+    let mut reader = Reader::new(&db.stack, &[&topic]);
+    let v = read_every_committed(&db, &mut reader, &topic, WAIT).await;
+    assert_eq!(
+        (v.committed, v.lost, v.order_violations),
+        (16, 0, 0),
+        "{v:?}"
+    );
+    wait_until(WAIT, "nothing pending", || async {
+        poll_status(&admin).await.1 == 0
+    })
+    .await;
+    assert!(
+        hung.log_text().contains("letting the leases lapse"),
+        "the hung relay did not say why it let its leases go:\n{}",
+        hung.log_text()
+    );
+    hung.kill9().await;
     live.kill9().await;
     db.drop().await;
 }

@@ -727,6 +727,34 @@ async fn main() -> ExitCode {
         began.elapsed().as_secs_f64()
     );
 
+    if v.lost > 0 && args.poll {
+        // Where the missing events stand: still pending, and leased by whom.
+        let rows = db
+            .admin()
+            .await
+            .query(
+                "SELECT coalesce(l.relay, '(no lease)'), count(DISTINCT (p.aggregate_type, p.aggregate_id)), count(*), \
+                        coalesce(max(l.expires_at) > clock_timestamp(), false) \
+                   FROM outbox.pending p LEFT JOIN outbox.poll_leases l USING (aggregate_type, aggregate_id) \
+                  GROUP BY 1 ORDER BY 1",
+                &[],
+            )
+            .await
+            .unwrap_or_default();
+        println!("still pending, by the relay leasing them:");
+        for row in rows {
+            let (relay, aggregates, events, live): (String, i64, i64, bool) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            println!("  {relay:<20} {aggregates} aggregates, {events} events, lease live: {live}");
+        }
+        println!(
+            "forwarder logs: {} and {}",
+            forwarder.log.display(),
+            steady
+                .as_ref()
+                .map_or_else(String::new, |s| s.log.display().to_string())
+        );
+    }
     forwarder.kill9().await;
     if let Some(steady) = steady {
         steady.kill9().await;
