@@ -50,9 +50,12 @@ cluster_controller_port() { echo $((59120 + $1)); }
 KAFKA_VERSION=$(sed -n 's:.*<kafka.version>\(.*\)</kafka.version>.*:\1:p' "$ROOT/scripts/kafka/pom.xml")
 KAFKA_LIBS=$CACHE_DIR/kafka-$KAFKA_VERSION/libs
 PGRX_VERSION=0.18.1
-# helm and promtool check the Helm chart and the alert rules.
+# helm and promtool check the Helm chart and the alert rules; mdbook builds
+# the book.
 TOOLS_BIN=$CACHE_DIR/tools/bin
 HELM_VERSION=v4.3.2
+MDBOOK_VERSION=0.5.4
+MDBOOK_LINKCHECK_VERSION=0.13.0
 PROMTOOL_VERSION=v0.316.0
 
 PG_SUPERUSER_PASSWORD=postgres

@@ -13,7 +13,7 @@ use tokio::sync::watch;
 /// records are allocated on the pipeline's thread and freed on librdkafka's,
 /// which glibc's malloc serves slowly (a third of the forwarder's CPU in a
 /// profile). Without transparent huge pages (feature `no_thp`), which took
-/// peak RSS from 65 to 38 MB in the same run; the README has the figures.
+/// peak RSS from 65 to 38 MB in the same run; docs/src/benchmarks.md has the figures.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -7,8 +7,8 @@
 //! a value from the file becomes the argument's default, so a flag beats its
 //! environment variable, which beats the file, which beats the built-in
 //! default. A file key that names no option is refused by name, and a file
-//! value is checked by the option's own parser. The README's configuration
-//! reference is checked against [`reference`].
+//! value is checked by the option's own parser. The configuration
+//! reference (docs/src/configuration.md) is checked against [`reference`].
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -219,7 +219,7 @@ fn arguments() -> Command {
     Options::augment_args(Command::new("options"))
 }
 
-/// One option as the README's configuration reference shows it.
+/// One option as the configuration reference shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reference {
     /// The key in the configuration file.

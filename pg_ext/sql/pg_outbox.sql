@@ -237,7 +237,7 @@ CALL outbox.grant_to('relay', 'SELECT ON outbox.events, outbox.relay_progress');
 
 ------------------------------------------------------------------------------
 -- Validation: every check raises before anything is written.
--- SQLSTATEs (class PO, documented in the README):
+-- SQLSTATEs (class PO, documented in docs/src/sql-api.md):
 --   PO001 required argument NULL or empty   PO002 name not valid
 --   PO003 value too long                    PO004 payload too large
 --   PO005 topic name Kafka would refuse     PO006 headers not an object of strings

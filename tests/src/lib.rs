@@ -220,7 +220,7 @@ pub fn released_sql_edition(commit: &str, version: &str) -> PathBuf {
     file
 }
 
-/// Installs the SQL edition into the database of `url`, as its README says.
+/// Installs the SQL edition into the database of `url`, as docs/src/sql-edition.md says.
 pub async fn install_sql_edition(url: &str) {
     let (ok, stderr) = psql_file(url, &sql_edition_file()).await;
     assert!(ok, "installing the SQL edition failed: {stderr}");

@@ -447,7 +447,7 @@ async fn check_line(stack: &Stack, url: &str, name: &str) -> String {
 async fn an_install_with_shared_roles_upgrades(edition: Edition) {
     let stack = Stack::from_env();
     let old = install_0_6_0(&stack, edition).await;
-    // Logins granted the cluster-wide roles, as the README said before 0.7.0
+    // Logins granted the cluster-wide roles, as releases before 0.7.0 documented
     // (by the superuser: on 16+ a CREATEROLE owner may not grant them).
     let (app, relay, stranger) = (unique("app"), unique("relay"), unique("stranger"));
     superuser(&stack, "postgres")
@@ -511,7 +511,7 @@ async fn an_install_with_shared_roles_upgrades(edition: Edition) {
         "{line}"
     );
 
-    // The operator's steps (README): the logins get this database's roles,
+    // The operator's steps (docs/src/sql-api.md): the logins get this database's roles,
     // then the shared roles are cut off it, by whoever made the roles (the
     // superuser for the extension, the owner for the SQL edition).
     let operator = match edition {
