@@ -4,7 +4,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::routing::{is_valid_topic, ValueFormat, DEFAULT_TOPIC_TEMPLATE};
+use crate::routing::{is_valid_topic, Router, ValueFormat, DEFAULT_TOPIC_TEMPLATE};
 
 /// Connection settings for PostgreSQL, parsed from a libpq-style URL or
 /// key/value string. The password is kept here only; it never reaches logs.
@@ -580,6 +580,15 @@ impl std::fmt::Debug for KafkaProperties {
 }
 
 impl Config {
+    /// The router `run`, `replay` and `redrive` share: the configured
+    /// template and value format, the source naming database and slot.
+    pub fn router(&self) -> Router {
+        Router::new(self.topic_template.clone()).with_format(
+            self.value_format,
+            format!("pg_outbox/{}/{}", self.postgres.dbname(), self.slot),
+        )
+    }
+
     pub fn new(postgres_url: &str, kafka_bootstrap: &str) -> Result<Self> {
         let config = Config {
             source: SourceKind::Slot,

@@ -160,9 +160,8 @@ impl Health {
 /// records whether any broker answered within [`PROBE_TIMEOUT`].
 pub async fn probe_kafka(
     client: rdkafka::ClientConfig,
-    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    health: std::sync::Arc<Health>,
 ) {
-    let health = &metrics.health;
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let consumer: BaseConsumer = match client.create() {
         Ok(consumer) => consumer,

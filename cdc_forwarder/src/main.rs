@@ -179,7 +179,7 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
                 if let Some(listen) = args.metrics_listen {
                     tokio::spawn(cdc_forwarder::health::probe_kafka(
                         config.kafka_client(),
-                        metrics.clone(),
+                        metrics.health.clone(),
                     ));
                     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
                         Error::Config(format!("cannot serve metrics on {listen}: {e}"))

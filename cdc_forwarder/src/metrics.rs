@@ -66,7 +66,7 @@ pub struct Metrics {
     state_gauge: Gauge,
     state: AtomicI64,
     /// What `/healthz` and `/readyz` judge by.
-    pub health: Health,
+    pub health: Arc<Health>,
 }
 
 impl Metrics {
@@ -232,7 +232,7 @@ impl Metrics {
             poll_leases_taken_over,
             state_gauge,
             state: AtomicI64::new(State::Starting as i64),
-            health: Health::new(limits),
+            health: Arc::new(Health::new(limits)),
         })
     }
 

@@ -59,7 +59,7 @@ pub async fn run(
     metrics: Arc<Metrics>,
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<()> {
-    let router = Arc::new(Router::for_config(&config));
+    let router = Arc::new(config.router());
     // Events Kafka refused at delivery: with a dead-letter topic, the next
     // session sends them there instead of halting again.
     let mut poisoned: HashSet<String> = HashSet::new();

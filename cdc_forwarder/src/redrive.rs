@@ -78,7 +78,7 @@ pub async fn run(
         Some(format!("{}-redrive", config.transactional_id()));
     let mut producer = Producer::new(&transactional)?;
     producer.init_transactions().await?;
-    let router = Router::for_config(config);
+    let router = config.router();
     // Tags run on across aggregates: a late report of an aborted one is not
     // taken for the next one's.
     let mut next_tag = 0;

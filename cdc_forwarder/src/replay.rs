@@ -7,7 +7,6 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS};
 use crate::producer::Producer;
-use crate::routing::Router;
 use crate::slot;
 
 /// Header that marks a replayed record.
@@ -51,7 +50,7 @@ pub async fn run(
     let mut plain = config.clone();
     plain.delivery = crate::config::Delivery::AtLeastOnce;
     let mut producer = Producer::new(&plain)?;
-    let router = Router::for_config(config);
+    let router = config.router();
     let mut sent = 0;
     for row in rows {
         let event = OutboxEvent::from_row(&row);

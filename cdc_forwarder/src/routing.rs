@@ -75,15 +75,6 @@ impl Router {
         }
     }
 
-    /// The router `run`, `replay` and `redrive` share: the configured
-    /// template and value format, the source naming database and slot.
-    pub fn for_config(config: &crate::config::Config) -> Self {
-        Router::new(config.topic_template.clone()).with_format(
-            config.value_format,
-            format!("pg_outbox/{}/{}", config.postgres.dbname(), config.slot),
-        )
-    }
-
     pub fn with_format(mut self, format: ValueFormat, source: impl Into<String>) -> Self {
         self.format = format;
         self.source = source.into();
