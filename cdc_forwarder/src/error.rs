@@ -59,6 +59,17 @@ pub enum Error {
     #[error("{0}")]
     Unhealthy(String),
 
+    /// A step that Kafka or PostgreSQL did not finish in time (a first-start
+    /// catch-up not fully acknowledged, a relay's bookkeeping cut short):
+    /// the session starts again and redoes it.
+    #[error("{0}")]
+    Incomplete(String),
+
+    /// Something that cannot happen did: a task panicked, a server answered
+    /// outside the protocol. Not retried; the message says where.
+    #[error("internal error (please report it): {0}")]
+    Bug(String),
+
     /// An event that cannot be delivered; it is never skipped silently.
     #[error("event {event_id} cannot be delivered: {reason}")]
     Poison { event_id: String, reason: String },
@@ -87,6 +98,7 @@ impl Error {
             | Error::Layout(_)
             | Error::Fenced(_)
             | Error::Unhealthy(_)
+            | Error::Bug(_)
             | Error::Poison { .. } => false,
             // A certificate that does not verify stays refused until an
             // operator changes the certificate or the sslrootcert.
@@ -107,6 +119,7 @@ impl Error {
             | Error::EpochSpent
             | Error::SlotBusy(_)
             | Error::NoPrimary(_)
+            | Error::Incomplete(_)
             | Error::LeaseLost(_) => true,
         }
     }
@@ -126,6 +139,8 @@ impl Error {
             Error::Fenced(_) => "fenced",
             Error::Unhealthy(_) => "unhealthy",
             Error::LeaseLost(_) => "lease_lost",
+            Error::Incomplete(_) => "incomplete",
+            Error::Bug(_) => "bug",
             Error::Poison { .. } => "poison",
         }
     }
@@ -160,5 +175,23 @@ pub fn describe_postgres(error: &tokio_postgres::Error) -> String {
     match std::error::Error::source(error) {
         Some(cause) => format!("{error}: {cause}"),
         None => error.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Error;
+
+    #[test]
+    fn an_unfinished_step_is_retried_and_a_bug_is_not_called_setup() {
+        let unfinished = Error::Incomplete("catch-up not acknowledged".into());
+        assert!(unfinished.is_retryable());
+        let bug = Error::Bug("a task panicked".into());
+        assert!(!bug.is_retryable());
+        assert_eq!(
+            bug.exit_code(),
+            1,
+            "exit code 3 says PostgreSQL is not set up"
+        );
     }
 }

@@ -158,10 +158,7 @@ impl Health {
 
 /// Asks Kafka for its metadata every second until the process ends, and
 /// records whether any broker answered within [`PROBE_TIMEOUT`].
-pub async fn probe_kafka(
-    client: rdkafka::ClientConfig,
-    health: std::sync::Arc<Health>,
-) {
+pub async fn probe_kafka(client: rdkafka::ClientConfig, health: std::sync::Arc<Health>) {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let consumer: BaseConsumer = match client.create() {
         Ok(consumer) => consumer,

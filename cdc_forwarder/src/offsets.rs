@@ -153,7 +153,7 @@ impl OffsetStore {
         let store = self.clone();
         tokio::task::spawn_blocking(move || call(&store))
             .await
-            .map_err(|e| Error::Setup(format!("offset reader panicked: {e}")))?
+            .map_err(|e| Error::Bug(format!("offset reader panicked: {e}")))?
     }
 
     /// Makes the readers ready ahead of [`Self::load`], which then only

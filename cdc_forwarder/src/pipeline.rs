@@ -529,7 +529,7 @@ impl Session<'_> {
         }
         // Every transaction the exported snapshot shows is in Kafka now.
         sink.mark(Mark {
-            snapshot: exported.parse().map_err(Error::Setup)?,
+            snapshot: exported.parse().map_err(Error::Bug)?,
             lsn: created.consistent_point,
             exact: true,
             origin,
@@ -537,7 +537,7 @@ impl Session<'_> {
         sink.commit(created.consistent_point, None, false).await?;
         sink.finish().await?;
         if sink.confirmable() < Some(created.consistent_point) {
-            return Err(Error::Setup(
+            return Err(Error::Incomplete(
                 "the first-start catch-up was not fully acknowledged by Kafka; it is redone".into(),
             ));
         }

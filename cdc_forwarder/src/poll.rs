@@ -201,7 +201,7 @@ impl PollSource {
         let _ended = (&mut self.task).await;
         match finished {
             Ok(result) => result,
-            Err(_) => Err(Error::Setup(
+            Err(_) => Err(Error::Incomplete(
                 "the polling relay did not finish its bookkeeping in time; its leases expire by themselves".into(),
             )),
         }
@@ -230,7 +230,7 @@ impl Source for PollSource {
                 }
                 Some(Err(error)) => return Err(error),
                 None => {
-                    return Err(Error::Setup("the polling relay's task ended".into()));
+                    return Err(Error::Bug("the polling relay's task ended".into()));
                 }
             }
         }

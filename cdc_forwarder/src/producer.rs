@@ -315,7 +315,7 @@ async fn blocking(
 ) -> Result<()> {
     tokio::task::spawn_blocking(move || call(&producer))
         .await
-        .map_err(|e| Error::Setup(format!("kafka call panicked: {e}")))?
+        .map_err(|e| Error::Bug(format!("kafka call panicked: {e}")))?
         .map_err(Error::from)
 }
 

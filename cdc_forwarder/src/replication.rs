@@ -98,7 +98,7 @@ impl ReplicationStream {
             let value = row.get(i)?.as_ref()?;
             Some(String::from_utf8_lossy(value).into_owned())
         };
-        let bad = || Error::Setup("CREATE_REPLICATION_SLOT returned an unexpected row".into());
+        let bad = || Error::Bug("CREATE_REPLICATION_SLOT returned an unexpected row".into());
         let consistent_point = text(1).and_then(|t| t.parse().ok()).ok_or_else(bad)?;
         let snapshot = text(2).ok_or_else(bad)?;
         Ok(CreatedSlot {
@@ -114,7 +114,7 @@ impl ReplicationStream {
             Ok(()) => Ok(()),
             // 55006 object_in_use: another walsender holds the slot.
             Err(pgwire_replication::PgWireError::Server(message))
-                if message.contains("55006") || message.contains("is active for PID") =>
+                if sqlstate(&message) == Some("55006") =>
             {
                 Err(Error::SlotBusy(slot.to_owned()))
             }
@@ -172,5 +172,27 @@ impl ReplicationStream {
     pub async fn close(mut self) -> Result<()> {
         self.client.shutdown().await?;
         Ok(())
+    }
+}
+
+/// The SQLSTATE of a server error as the replication client words it
+/// ("message (SQLSTATE 55006)"), whatever language the server speaks.
+fn sqlstate(message: &str) -> Option<&str> {
+    let code = message.strip_suffix(')')?.rsplit_once("(SQLSTATE ")?.1;
+    (code.len() == 5).then_some(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sqlstate;
+
+    #[test]
+    fn a_server_error_is_known_by_its_sqlstate_in_any_language() {
+        assert_eq!(
+            sqlstate("le slot « s » est actif pour le PID 7 (SQLSTATE 55006)"),
+            Some("55006")
+        );
+        assert_eq!(sqlstate("replication slot \"s\" is active for PID 7"), None);
+        assert_eq!(sqlstate("error (SQLSTATE 5500)"), None);
     }
 }

@@ -159,10 +159,10 @@ pub async fn mark(client: &Client) -> Result<Mark> {
     let snapshot: String = row.get(0);
     let lsn: String = row.get(1);
     Ok(Mark {
-        snapshot: snapshot.parse().map_err(Error::Setup)?,
+        snapshot: snapshot.parse().map_err(Error::Bug)?,
         lsn: lsn
             .parse()
-            .map_err(|_| Error::Setup(format!("not an LSN: {lsn}")))?,
+            .map_err(|_| Error::Bug(format!("not an LSN: {lsn}")))?,
         exact: false,
         origin: row.get(2),
     })

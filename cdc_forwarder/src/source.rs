@@ -133,7 +133,7 @@ impl SlotSource {
                     values,
                 }) => {
                     let Some(layout) = &self.layout else {
-                        return Err(Error::Setup(
+                        return Err(Error::Bug(
                             "insert arrived before its relation message".into(),
                         ));
                     };
