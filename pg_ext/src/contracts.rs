@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use pgrx::pg_sys::{self, Datum, Oid};
 use pgrx::prelude::*;
 
-use crate::emit::Refusal;
+use crate::refusal::Refusal;
 use crate::BackendCell;
 
 /// What happens to a payload that breaks its schema (`outbox.schema_checks`;
@@ -174,8 +174,8 @@ pub(crate) unsafe fn check(
     // SAFETY: text datums of the caller's call, as the contract says.
     let (aggregate_type, event_type) = unsafe {
         (
-            String::from_utf8_lossy(crate::emit::bytes(aggregate_type)),
-            String::from_utf8_lossy(crate::emit::bytes(event_type)),
+            String::from_utf8_lossy(crate::datum::bytes(aggregate_type)),
+            String::from_utf8_lossy(crate::datum::bytes(event_type)),
         )
     };
     let problem = CONTRACTS.with(|contracts| {

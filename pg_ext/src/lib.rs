@@ -19,7 +19,9 @@ use pgrx::prelude::*;
 ::pgrx::pg_module_magic!(name, version);
 
 mod contracts;
+mod datum;
 mod emit;
+mod refusal;
 
 /// `pg_outbox.max_payload_bytes`: the largest payload emit_event accepts.
 pub(crate) static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1_000_000);
@@ -157,11 +159,11 @@ mod tests {
     /// descriptors differ).
     #[pg_test]
     fn the_extensions_own_table_takes_the_direct_insert() {
-        assert!(crate::emit::takes_direct_insert());
+        assert!(crate::emit::insert::takes_direct_insert());
         Spi::run("CREATE TRIGGER count_inserts BEFORE INSERT ON outbox.events FOR EACH ROW EXECUTE FUNCTION suppress_redundant_updates_trigger()")
             .expect("a trigger");
         assert!(
-            !crate::emit::takes_direct_insert(),
+            !crate::emit::insert::takes_direct_insert(),
             "a trigger sends the insert the SQL way"
         );
     }
