@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod offsets;
 pub mod options;
 pub mod parking;
+pub mod pg_target;
 pub mod pgoutput;
 pub mod pipeline;
 pub mod poll;

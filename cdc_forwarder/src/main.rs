@@ -3,11 +3,11 @@
 use std::process::ExitCode;
 
 use cdc_forwarder::config::KafkaProperties;
-use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::options::{ConfigFile, Options};
-use cdc_forwarder::{check, pipeline, redrive, replay, slot, status, Error};
+use cdc_forwarder::{redrive, replay, Error};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use tokio::sync::watch;
+
+mod commands;
 
 /// mimalloc, for Rust's allocations and (feature `override`) librdkafka's:
 /// records are allocated on the pipeline's thread and freed on librdkafka's,
@@ -129,6 +129,7 @@ enum Command {
     },
 }
 
+/// What `slot` and `publication` do.
 #[derive(Clone, Copy, ValueEnum)]
 enum Action {
     Create,
@@ -172,77 +173,16 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
         .build()
         .map_err(|e| Error::Config(format!("cannot start the async runtime: {e}")))?;
     match cli.command {
-        Command::Run(args) => {
-            let config = config_from(&args)?;
-            runtime.block_on(async {
-                let metrics = Metrics::new(args.health_limits());
-                if let Some(listen) = args.metrics_listen {
-                    tokio::spawn(cdc_forwarder::health::probe_kafka(
-                        config.kafka_client(),
-                        metrics.health.clone(),
-                    ));
-                    let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
-                        Error::Config(format!("cannot serve metrics on {listen}: {e}"))
-                    })?;
-                    tracing::info!(listen = %listen, "serving /metrics, /healthz and /readyz");
-                    let metrics = metrics.clone();
-                    tokio::spawn(async move {
-                        if let Err(error) = metrics::serve(listener, metrics).await {
-                            tracing::error!(error = %error, "metrics endpoint stopped");
-                        }
-                    });
-                }
-                let shutdown = shutdown_signal();
-                pipeline::run(config, metrics, shutdown).await
-            })
-        }
-        Command::Check(args) => {
-            let config = config_from(&args)?;
-            let checks = runtime.block_on(check::run(&config));
-            for line in &checks {
-                println!("{line}");
-            }
-            if checks.iter().all(|c| c.ok) {
-                Ok(())
-            } else {
-                Err(Error::Setup(format!(
-                    "{} of {} checks failed",
-                    checks.iter().filter(|c| !c.ok).count(),
-                    checks.len()
-                )))
-            }
-        }
+        Command::Run(args) => runtime.block_on(commands::run(config_from(&args)?, &args)),
+        Command::Check(args) => runtime.block_on(commands::check(config_from(&args)?)),
         Command::Status { args, json } => {
-            let config = config_from(&args)?;
-            let status = runtime.block_on(status::collect(&config))?;
-            if json {
-                println!("{}", status.to_json());
-            } else {
-                print!("{}", status.to_table());
-            }
-            Ok(())
+            runtime.block_on(commands::status(config_from(&args)?, json))
         }
         Command::Slot { action, args } => {
-            let config = config_from(&args)?;
-            runtime.block_on(async {
-                let client = slot::connect(&config.postgres).await?;
-                match action {
-                    Action::Create => {
-                        let failover = slot::wants_failover(&client, &config).await?;
-                        slot::create_slot(&client, &config.slot, failover).await?
-                    }
-                    Action::Drop => slot::drop_slot(&client, &config.slot).await?,
-                }
-                println!(
-                    "slot {}: {}",
-                    config.slot,
-                    match action {
-                        Action::Create => "created",
-                        Action::Drop => "dropped",
-                    }
-                );
-                Ok(())
-            })
+            runtime.block_on(commands::slot(config_from(&args)?, action))
+        }
+        Command::Publication { action, args } => {
+            runtime.block_on(commands::publication(config_from(&args)?, action))
         }
         Command::Replay {
             aggregate_type,
@@ -250,123 +190,29 @@ fn try_main(cli: Cli, kafka_properties: &KafkaProperties) -> Result<(), Error> {
             from_seq,
             args,
         } => {
-            let config = config_from(&args)?;
             let selection = replay::Selection {
                 aggregate_type,
                 aggregate_id,
                 from_seq,
             };
-            let progress = indicatif::ProgressBar::new(0).with_style(
-                indicatif::ProgressStyle::with_template("replay {bar:40} {pos}/{len} events")
-                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            let sent = runtime.block_on(replay::run(&config, &selection, &progress))?;
-            progress.finish_and_clear();
-            println!(
-                "replayed {sent} events of {} {} from sequence {}",
-                selection.aggregate_type, selection.aggregate_id, selection.from_seq
-            );
-            Ok(())
+            runtime.block_on(commands::replay(config_from(&args)?, selection))
         }
         Command::Redrive {
             aggregate_type,
             aggregate_id,
             args,
         } => {
-            let config = config_from(&args)?;
             let selection = redrive::Selection {
                 aggregate_type,
                 aggregate_id,
             };
-            let outcomes = runtime.block_on(redrive::run(&config, &selection, |outcome| {
-                match outcome {
-                    redrive::Outcome::Redriven {
-                        aggregate,
-                        first_seq,
-                        last_seq,
-                        events,
-                    } => println!(
-                        "{aggregate}: {events} events (aggregate_seq {first_seq} to {last_seq}) published again; unparked"
-                    ),
-                    redrive::Outcome::StillRefused { aggregate, reason } => {
-                        println!("{aggregate}: still refused, left parked: {reason}")
-                    }
-                }
-            }))?;
-            let refused = outcomes
-                .iter()
-                .filter(|o| matches!(o, redrive::Outcome::StillRefused { .. }))
-                .count();
-            println!(
-                "redrive: {} aggregates unparked, {refused} still parked",
-                outcomes.len() - refused
-            );
-            if refused > 0 {
-                return Err(Error::Setup(format!(
-                    "{refused} parked aggregates still have a refused event; fix the cause and run redrive again"
-                )));
-            }
-            Ok(())
+            runtime.block_on(commands::redrive(config_from(&args)?, selection))
         }
         Command::Probe {
             ready,
             metrics_listen,
-        } => {
-            let path = if ready { "/readyz" } else { "/healthz" };
-            let answer = runtime.block_on(metrics::probe(metrics_listen, path))?;
-            print!("{answer}");
-            Ok(())
-        }
-        Command::Publication { action, args } => {
-            let config = config_from(&args)?;
-            runtime.block_on(async {
-                let client = slot::connect(&config.postgres).await?;
-                match action {
-                    Action::Create => {
-                        client
-                            .execute(
-                                "SELECT outbox.ensure_publication($1)",
-                                &[&config.publication],
-                            )
-                            .await?;
-                    }
-                    Action::Drop => slot::drop_publication(&client, &config.publication).await?,
-                }
-                println!(
-                    "publication {}: {}",
-                    config.publication,
-                    match action {
-                        Action::Create => "created",
-                        Action::Drop => "dropped",
-                    }
-                );
-                Ok(())
-            })
-        }
+        } => runtime.block_on(commands::probe(metrics_listen, ready)),
     }
-}
-
-/// Turns the first SIGTERM or SIGINT into a graceful shutdown; a second one
-/// ends the process at once.
-fn shutdown_signal() -> watch::Receiver<bool> {
-    let (tx, rx) = watch::channel(false);
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        tracing::info!("shutdown requested");
-        let _ignored_if_finished = tx.send(true);
-        tokio::select! { _ = term.recv() => {}, _ = int.recv() => {} }
-        tracing::warn!("second signal, exiting at once");
-        std::process::exit(130);
-    });
-    rx
 }
 
 fn init_logging(format: LogFormat) {
