@@ -13,6 +13,17 @@ pub mod header {
     pub const AGGREGATE_SEQ: &str = "aggregate_seq";
     pub const SCHEMA_VERSION: &str = "schema_version";
     pub const OCCURRED_AT: &str = "occurred_at";
+    /// The names an event's own headers may not take (`emit_event` and
+    /// `emit_events` refuse them with PO006; tests/tests/extension.rs
+    /// checks that every name here is refused).
+    pub const ALL: [&str; 6] = [
+        EVENT_ID,
+        EVENT_TYPE,
+        AGGREGATE_TYPE,
+        AGGREGATE_SEQ,
+        SCHEMA_VERSION,
+        OCCURRED_AT,
+    ];
 }
 
 /// Why an event cannot be routed. Such an event is poison: it is never skipped silently.

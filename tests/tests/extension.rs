@@ -102,6 +102,24 @@ async fn every_bad_argument_gets_its_own_sqlstate_and_writes_nothing() {
             wrong.push(format!("{what}: expected {expected}, got {got}"));
         }
     }
+    // Every header the forwarder sets itself is refused as an event's own,
+    // alone and in a batch.
+    for name in cdc_forwarder::routing::header::ALL {
+        let headers = format!(r#"{{"{name}": "x"}}"#);
+        for sql in [
+            emit(&format!("{ok}, headers => '{headers}'")),
+            format!(
+                r#"SELECT * FROM outbox.emit_events('[{{"aggregate_type": "a", "aggregate_id": "b", "event_type": "c", "payload": 1, "headers": {headers}}}]')"#
+            ),
+        ] {
+            let got = sqlstate(&client.simple_query(&sql).await);
+            if got != "PO006" {
+                wrong.push(format!(
+                    "header {name} reserved: expected PO006, got {got} from {sql}"
+                ));
+            }
+        }
+    }
     assert!(wrong.is_empty(), "wrong SQLSTATEs:\n{}", wrong.join("\n"));
     for table in [
         "events",
