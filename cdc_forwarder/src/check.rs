@@ -249,6 +249,23 @@ async fn parked(client: &tokio_postgres::Client) -> Check {
 
 /// Polling relays: polling is on, with what is pending.
 async fn polling(client: &tokio_postgres::Client) -> Check {
+    use crate::poll::Polling;
+    match crate::poll::polling(client).await {
+        Ok(Polling::On) => {}
+        Ok(Polling::Off) => {
+            return Check::fail(
+                "polling",
+                "off; run SELECT outbox.enable_polling(); as the outbox's owner",
+            )
+        }
+        Ok(Polling::NoOutbox | Polling::Unsupported) => {
+            return Check::fail(
+                "polling",
+                "polling needs pg_outbox 0.5.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again)",
+            )
+        }
+        Err(e) => return Check::fail("polling", e.to_string()),
+    }
     match client
         .query_one(
             "SELECT enabled, pending_events, leases_held FROM outbox.poll_status()",

@@ -548,19 +548,7 @@ impl Session<'_> {
 
 /// Whether polling relays are enabled (pg_outbox 0.5.0 and later).
 async fn polling_enabled(client: &impl tokio_postgres::GenericClient) -> Result<bool> {
-    let row = client
-        .query_one(
-            "SELECT to_regprocedure('outbox.poll_status()') IS NOT NULL",
-            &[],
-        )
-        .await?;
-    if !row.get::<_, bool>(0) {
-        return Ok(false);
-    }
-    Ok(client
-        .query_one("SELECT enabled FROM outbox.poll_status()", &[])
-        .await?
-        .get(0))
+    Ok(crate::poll::polling(client).await? == crate::poll::Polling::On)
 }
 
 /// Moves changes from `source` to `sink` and confirms to the source what the

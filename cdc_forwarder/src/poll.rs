@@ -50,8 +50,20 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// An aggregate: its type and id.
 type Aggregate = (String, String);
 
-/// Checks that the database can feed polling relays.
-pub async fn prepare(sql: &Client) -> Result<()> {
+/// What a database's outbox says of polling relays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Polling {
+    /// No outbox in this database at all.
+    NoOutbox,
+    /// An outbox from before polling relays (0.5.0).
+    Unsupported,
+    Off,
+    On,
+}
+
+/// Asks the outbox whether polling relays are there and on: the one place
+/// that `run`, `check` and `status` learn it from.
+pub async fn polling(sql: &impl tokio_postgres::GenericClient) -> Result<Polling> {
     let row = sql
         .query_one(
             "SELECT to_regclass('outbox.events') IS NOT NULL, \
@@ -61,25 +73,32 @@ pub async fn prepare(sql: &Client) -> Result<()> {
         .await?;
     let (has_events, has_polling): (bool, bool) = (row.get(0), row.get(1));
     if !has_events {
-        return Err(Error::Setup(
-            "outbox.events does not exist in this database: install pg_outbox (CREATE EXTENSION pg_outbox, or the SQL edition's file)".into(),
-        ));
+        return Ok(Polling::NoOutbox);
     }
     if !has_polling {
-        return Err(Error::Setup(
-            "this database's pg_outbox predates polling relays (0.5.0): run ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again".into(),
-        ));
+        return Ok(Polling::Unsupported);
     }
     let enabled: bool = sql
         .query_one("SELECT enabled FROM outbox.poll_status()", &[])
         .await?
         .get(0);
-    if !enabled {
-        return Err(Error::Setup(
+    Ok(if enabled { Polling::On } else { Polling::Off })
+}
+
+/// Checks that the database can feed polling relays.
+pub async fn prepare(sql: &Client) -> Result<()> {
+    match polling(sql).await? {
+        Polling::On => Ok(()),
+        Polling::NoOutbox => Err(Error::Setup(
+            "outbox.events does not exist in this database: install pg_outbox (CREATE EXTENSION pg_outbox, or the SQL edition's file)".into(),
+        )),
+        Polling::Unsupported => Err(Error::Setup(
+            "this database's pg_outbox predates polling relays (0.5.0): run ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again".into(),
+        )),
+        Polling::Off => Err(Error::Setup(
             "polling is off in this database: run SELECT outbox.enable_polling(); as the outbox's owner (events emitted from then on are published)".into(),
-        ));
+        )),
     }
-    Ok(())
 }
 
 /// Reads the database-wide polling figures into the metrics.

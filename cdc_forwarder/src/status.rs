@@ -125,6 +125,13 @@ pub async fn collect(config: &Config) -> Result<Status> {
 /// The polling figures, where polling is on or events are still pending
 /// (none on an extension older than 0.5.0).
 async fn poll_status(client: &tokio_postgres::Client) -> Result<Option<PollStatus>> {
+    use crate::poll::{polling, Polling};
+    if matches!(
+        polling(client).await?,
+        Polling::NoOutbox | Polling::Unsupported
+    ) {
+        return Ok(None);
+    }
     let row = client
         .query_opt(
             "SELECT pending_events, extract(epoch FROM oldest_pending_age)::float8, \
@@ -133,13 +140,7 @@ async fn poll_status(client: &tokio_postgres::Client) -> Result<Option<PollStatu
               WHERE enabled OR pending_events > 0",
             &[],
         )
-        .await;
-    let row = match row {
-        Ok(row) => row,
-        // 42883: no such function, an extension from before polling.
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) => None,
-        Err(e) => return Err(e.into()),
-    };
+        .await?;
     Ok(row.map(|r| PollStatus {
         pending_events: r.get(0),
         oldest_pending_seconds: r.get(1),
