@@ -160,7 +160,7 @@ async fn postgres(config: &Config) -> Vec<Check> {
     });
     checks.push(privileges(&client, config).await);
     checks.push(connect_privilege(&client).await);
-    if config.dead_letter_topic.is_some() && config.park_aggregates {
+    if config.parks_aggregates() {
         checks.push(parked(&client).await);
     }
     if !slot_source {

@@ -270,6 +270,12 @@ impl std::fmt::Debug for KafkaProperties {
 }
 
 impl Config {
+    /// Whether a dead letter parks its aggregate: with a dead-letter topic,
+    /// unless `--dead-letter-unordered`.
+    pub fn parks_aggregates(&self) -> bool {
+        self.dead_letter_topic.is_some() && self.park_aggregates
+    }
+
     /// The router `run`, `replay` and `redrive` share: the configured
     /// template and value format, the source naming database and slot.
     pub fn router(&self) -> Router {

@@ -223,7 +223,7 @@ async fn publisher(
         metrics.clone(),
     )
     .with_suspects(refused.suspects.clone());
-    if config.dead_letter_topic.is_some() && config.park_aggregates {
+    if config.parks_aggregates() {
         return Ok(out.with_parking(Parking::open(config).await?));
     }
     Ok(out)
@@ -621,7 +621,7 @@ mod tests;
 
 /// The parked aggregates' figures, each second, where dead letters park.
 async fn record_parked(sql: &Client, config: &Config, metrics: &Metrics) -> Result<()> {
-    if config.dead_letter_topic.is_none() || !config.park_aggregates {
+    if !config.parks_aggregates() {
         return Ok(());
     }
     let (parked, oldest) = parking::figures(sql).await?;
