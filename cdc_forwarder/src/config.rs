@@ -64,6 +64,22 @@ fn hostname() -> String {
         .unwrap_or_else(|| "relay".to_owned())
 }
 
+/// The librdkafka settings every producer of the forwarder has, whatever
+/// `kafka_properties` say (a contradicting property is refused, naming the
+/// option that decides it): key, value, and that option. Idempotence with
+/// `acks=all` keeps a retried send from duplicating or reordering records;
+/// the Java client's partitioner makes Java producers and consumers agree
+/// with us on a key's partition.
+pub const PRODUCER_GUARANTEES: [(&str, &str, &str); 3] = [
+    ("enable.idempotence", "true", "delivery"),
+    ("acks", "all", "delivery"),
+    (
+        "partitioner",
+        "murmur2_random",
+        "(Java-compatible partitioning)",
+    ),
+];
+
 /// The prefix of each forwarder's own offsets topic.
 pub const OFFSETS_TOPIC_PREFIX: &str = "pg_outbox.offsets.";
 /// The one offsets topic that every forwarder shared before each had its
@@ -396,19 +412,19 @@ impl Config {
                 "kafka_bootstrap",
                 Some(self.kafka_bootstrap.clone()),
             ),
-            ("enable.idempotence", "delivery", Some("true".into())),
-            ("acks", "delivery", Some("all".into())),
-            (
-                "partitioner",
-                "(Java-compatible partitioning)",
-                Some("murmur2_random".into()),
-            ),
             (
                 "transactional.id",
                 "delivery",
                 exactly_once.then(|| self.transactional_id()),
             ),
         ]
+        .into_iter()
+        .chain(
+            PRODUCER_GUARANTEES
+                .iter()
+                .map(|&(key, value, typed)| (key, typed, Some(value.to_owned()))),
+        )
+        .collect()
     }
 
     pub fn validate(&self) -> Result<()> {

@@ -424,12 +424,9 @@ impl Kafka for Producer {
 /// aside: the operator's `kafka_properties` under ours.
 fn settings(config: &Config) -> ClientConfig {
     let mut client = config.kafka_client();
-    client
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        // The Java client's partitioner for keyed records, so Java
-        // producers and consumers agree with us on a key's partition.
-        .set("partitioner", "murmur2_random");
+    for (key, value, _option) in crate::config::PRODUCER_GUARANTEES {
+        client.set(key, value);
+    }
     // Defaults the operator's kafka_properties may change. The timeouts:
     // a broker that hangs with its sockets open answers nothing, and
     // librdkafka waits out socket.timeout.ms (60 s by default) on each
