@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 /// The boundaries, in pipeline order.
-pub const POINTS: &[&str] = &[
+const POINTS: &[&str] = &[
     // Producer set up, before init_transactions (exactly-once) or the first send.
     "producer_init",
     // An event is decoded and routed, before it is handed to Kafka.
@@ -51,6 +51,15 @@ fn armed() -> Option<&'static Armed> {
                 Some((p, n)) => (p.to_owned(), n.parse().unwrap_or(1)),
                 None => (spec, 1),
             };
+            if !POINTS.contains(&point.as_str()) {
+                // A test that arms a point that does not exist would wait
+                // for a fault that never comes.
+                eprintln!(
+                    "OUTBOX_FAULT names no fault point: {point:?} (the points: {})",
+                    POINTS.join(", ")
+                );
+                std::process::exit(2);
+            }
             let stall = std::env::var("OUTBOX_FAULT_STALL_MS")
                 .ok()
                 .and_then(|ms| ms.parse().ok())

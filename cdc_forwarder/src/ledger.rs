@@ -130,17 +130,6 @@ impl Ledger {
         self.entries.is_empty() && self.reading.is_none()
     }
 
-    /// Holds outstanding (events awaiting a report, or transactions awaiting
-    /// a Kafka commit).
-    pub fn holds(&self) -> usize {
-        self.holds
-    }
-
-    /// Bytes of the events handed to Kafka and not yet released.
-    pub fn bytes(&self) -> usize {
-        self.bytes
-    }
-
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }
