@@ -12,8 +12,9 @@ use super::*;
 /// columns only. Otherwise it writes nothing and returns false, and the
 /// caller runs the SQL INSERT, which handles whatever was added.
 ///
-/// Worth about 4% of emit_event's throughput: bench/emit.sh runs emit_event
-/// with and without it (`pg_outbox.direct_insert`) in the same rounds.
+/// It stays while `bench/emit.sh --direct-insert`, which runs emit_event
+/// with and without it (`pg_outbox.direct_insert`) in the same rounds,
+/// measures it at 1.03 or more (docs/src/benchmarks.md has the figure).
 pub(super) fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
     let rel = Opened::table(catalog().events.table, pg_sys::RowExclusiveLock);
     if !plain_table(&rel) {
