@@ -528,20 +528,8 @@ pub async fn write_transactions_through_restarts(
     let deadline = Instant::now() + Duration::from_secs(300);
     while done < transactions {
         assert!(Instant::now() < deadline, "writer could not finish");
-        let c = match &mut client {
-            Some(c) if !c.is_closed() => c,
-            _ => match tokio_postgres::connect(&url, NoTls).await {
-                Ok((c, connection)) => {
-                    tokio::spawn(async move {
-                        let _closed = connection.await;
-                    });
-                    client.insert(c)
-                }
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+        let Some(c) = reconnected(&mut client, &url).await else {
+            continue;
         };
         let attempt = async {
             let tx = c.transaction().await?;
@@ -582,5 +570,26 @@ pub fn sqlstate<T>(result: &Result<T, tokio_postgres::Error>) -> String {
             .code()
             .map(|c| c.code().to_owned())
             .unwrap_or_else(|| format!("no sqlstate: {e}")),
+    }
+}
+
+/// The connection in `client`, made again when it is closed or missing; `None`,
+/// after a short pause, while the server does not answer (a writer that rides
+/// out restarts asks again).
+pub async fn reconnected<'a>(client: &'a mut Option<Client>, url: &str) -> Option<&'a mut Client> {
+    if client.as_ref().is_some_and(|c| !c.is_closed()) {
+        return client.as_mut();
+    }
+    match tokio_postgres::connect(url, NoTls).await {
+        Ok((c, connection)) => {
+            tokio::spawn(async move {
+                let _closed = connection.await;
+            });
+            Some(client.insert(c))
+        }
+        Err(_) => {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            None
+        }
     }
 }

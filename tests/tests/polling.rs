@@ -57,6 +57,17 @@ fn relay(db: &TestDb, url: &str, name: &str) -> Forwarder {
 }
 
 fn relay_with(db: &TestDb, url: &str, name: &str, extra: &[&str]) -> Forwarder {
+    relay_with_env(db, url, name, extra, &[])
+}
+
+/// A relay with environment variables of its own (`OUTBOX_FAULT`).
+fn relay_with_env(
+    db: &TestDb,
+    url: &str,
+    name: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Forwarder {
     let mut args = vec![
         "--postgres-url",
         url,
@@ -70,7 +81,7 @@ fn relay_with(db: &TestDb, url: &str, name: &str, extra: &[&str]) -> Forwarder {
         LEASE_MS,
     ];
     args.extend(extra);
-    Forwarder::spawn_connected(db, &args, &[])
+    Forwarder::spawn_connected(db, &args, env)
 }
 
 async fn poll_status(client: &Client) -> (bool, i64, i64, i64) {
@@ -522,21 +533,11 @@ async fn a_relay_that_never_hears_from_kafka_lets_its_leases_lapse_to_the_others
     // Its first delivery report blocks librdkafka's thread for ten minutes:
     // the relay's process and its leases live on, its pipeline never hears
     // that anything was delivered.
-    let args = [
-        "--postgres-url",
-        &url,
-        "--kafka-bootstrap",
-        &db.stack.kafka,
-        "--source",
-        "poll",
-        "--relay-name",
-        "hung",
-        "--poll-lease-ms",
-        LEASE_MS,
-    ];
-    let hung = Forwarder::spawn_connected(
+    let hung = relay_with_env(
         &db,
-        &args,
+        &url,
+        "hung",
+        &[],
         &[
             ("OUTBOX_FAULT", "on_delivery_report"),
             ("OUTBOX_FAULT_STALL_MS", "600000"),

@@ -50,7 +50,6 @@ use pg_outbox_tests::{
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tokio_postgres::NoTls;
 
 const POINTS: &[&str] = &[
     "producer_init",
@@ -219,20 +218,8 @@ async fn writer(url: String, stop: Arc<AtomicBool>, seed: u64) -> Vec<String> {
     let mut rolled_back = Vec::new();
     let mut client: Option<tokio_postgres::Client> = None;
     while !stop.load(Ordering::Relaxed) {
-        let c = match &mut client {
-            Some(c) if !c.is_closed() => c,
-            _ => match tokio_postgres::connect(&url, NoTls).await {
-                Ok((c, conn)) => {
-                    tokio::spawn(async move {
-                        let _closed = conn.await;
-                    });
-                    client.insert(c)
-                }
-                Err(_) => {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
+        let Some(c) = pg_outbox_tests::reconnected(&mut client, &url).await else {
+            continue;
         };
         let mut aggregates: Vec<usize> = (0..rng.random_range(1..=3))
             .map(|_| rng.random_range(0..12))
