@@ -43,6 +43,29 @@ pub struct PollSettings {
     pub max_aggregates: usize,
 }
 
+impl PollSettings {
+    fn validate(&self) -> Result<()> {
+        if self.relay.is_empty() || self.relay.len() > 255 {
+            return Err(Error::Config(
+                "relay_name must be 1 to 255 characters".into(),
+            ));
+        }
+        if self.max_events == 0 || self.max_aggregates == 0 || self.lease.is_zero() {
+            return Err(Error::Config(
+                "poll_max_events, poll_max_aggregates and poll_lease_ms must be at least 1".into(),
+            ));
+        }
+        if self.interval >= self.lease / 3 {
+            return Err(Error::Config(format!(
+                "poll_interval_ms ({} ms) must be under a third of poll_lease_ms ({} ms), so that leases are renewed in time",
+                self.interval.as_millis(),
+                self.lease.as_millis()
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for PollSettings {
     fn default() -> Self {
         PollSettings {
@@ -427,34 +450,9 @@ impl Config {
         .collect()
     }
 
-    pub fn validate(&self) -> Result<()> {
-        self.kafka_security.validate()?;
-        if self.source == SourceKind::Poll {
-            if self.delivery == Delivery::ExactlyOnce {
-                return Err(Error::Config(
-                    "--source poll delivers at least once; exactly-once needs the slot (--source slot)".into(),
-                ));
-            }
-            let poll = &self.poll;
-            if poll.relay.is_empty() || poll.relay.len() > 255 {
-                return Err(Error::Config(
-                    "relay_name must be 1 to 255 characters".into(),
-                ));
-            }
-            if poll.max_events == 0 || poll.max_aggregates == 0 || poll.lease.is_zero() {
-                return Err(Error::Config(
-                    "poll_max_events, poll_max_aggregates and poll_lease_ms must be at least 1"
-                        .into(),
-                ));
-            }
-            if poll.interval >= poll.lease / 3 {
-                return Err(Error::Config(format!(
-                    "poll_interval_ms ({} ms) must be under a third of poll_lease_ms ({} ms), so that leases are renewed in time",
-                    poll.interval.as_millis(),
-                    poll.lease.as_millis()
-                )));
-            }
-        }
+    /// A raw librdkafka property may not say otherwise than a typed option:
+    /// the option decides, and the refusal names it.
+    fn refuse_contradicting_kafka_properties(&self) -> Result<()> {
         let security = self
             .kafka_security
             .properties()
@@ -475,6 +473,20 @@ impl Config {
                 )));
             }
         }
+        Ok(())
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        self.kafka_security.validate()?;
+        if self.source == SourceKind::Poll {
+            if self.delivery == Delivery::ExactlyOnce {
+                return Err(Error::Config(
+                    "--source poll delivers at least once; exactly-once needs the slot (--source slot)".into(),
+                ));
+            }
+            self.poll.validate()?;
+        }
+        self.refuse_contradicting_kafka_properties()?;
         if self.kafka_bootstrap.trim().is_empty() {
             return Err(Error::Config(
                 "kafka bootstrap servers are empty; set --kafka-bootstrap host:port".into(),
