@@ -32,7 +32,7 @@ use crate::config::{Config, Delivery, SourceKind};
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
 use crate::faults;
-use crate::horizon::{Mark, ORIGIN_SQL};
+use crate::horizon::{Horizon, Mark, ORIGIN_SQL};
 use crate::lsn::Lsn;
 use crate::metrics::{Metrics, State};
 use crate::offsets::OffsetStore;
@@ -308,7 +308,7 @@ impl Session<'_> {
         self.metrics.set_state(State::Streaming);
         self.metrics
             .health
-            .session_started(self.metrics.lag_bytes.get());
+            .session_started(self.metrics.slot.lag_bytes.get());
         tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, claim_ms, "streaming");
         let mut recorded = Lsn::ZERO;
         let confirmed = forward(
@@ -349,11 +349,12 @@ impl Session<'_> {
         record_parked(&self.sql, self.config, &self.metrics).await?;
         if let Some(wal) = slot::wal_figures(&self.sql, &self.config.slot).await? {
             if let (Some(lag), Some(retained)) = (wal.lag, wal.retained) {
-                self.metrics.lag_bytes.set(lag);
-                self.metrics.retained_wal_bytes.set(retained);
+                self.metrics.slot.lag_bytes.set(lag);
+                self.metrics.slot.retained_wal_bytes.set(retained);
             }
             self.metrics
-                .slot_wal_status
+                .slot
+                .wal_status
                 .set(crate::metrics::wal_status_code(&wal.wal_status));
         }
         if self.config.delivery == Delivery::ExactlyOnce {
@@ -466,40 +467,10 @@ impl Session<'_> {
             )
             .await?;
         let (exported, origin): (String, String) = (row.get(0), row.get(1));
-        let horizon = sink.delivered().filter(|h| {
-            let here = h.origin == origin;
-            if !here {
-                tracing::warn!(recorded_on = %h.origin, server = %origin, "Kafka's horizon was recorded on another server history (a promoted standby, a restore): leaving out only what relay_progress's safe snapshot shows; events committed after it are delivered again");
-            }
-            here
-        });
+        let horizon = sink.delivered().filter(|h| recorded_here(h, &origin));
         let base = horizon.as_ref().map(|h| h.base.to_string());
-        // Polling relays published what is no longer pending: a slot that
-        // takes over from them starts where they are.
-        let polled = polling_enabled(&tx).await?;
-        if polled {
-            tracing::info!(
-                "polling is enabled: the catch-up delivers only the events still pending"
-            );
-        }
-        let only_pending = if polled {
-            "AND EXISTS (SELECT 1 FROM outbox.pending p WHERE p.aggregate_type = e.aggregate_type \
-                            AND p.aggregate_id = e.aggregate_id AND p.aggregate_seq = e.aggregate_seq)"
-        } else {
-            ""
-        };
-        let portal = tx
-            .bind(
-                &format!(
-                    "SELECT {EVENT_COLUMNS}, e.txid::text::bigint FROM outbox.events e \
-                      WHERE NOT coalesce(pg_visible_in_snapshot(e.txid, $1::text::pg_snapshot), false) \
-                        AND NOT coalesce(pg_visible_in_snapshot(e.txid, $2::text::pg_snapshot), false) \
-                        {only_pending} \
-                      ORDER BY aggregate_type, aggregate_id, aggregate_seq"
-                ),
-                &[&base, &safe],
-            )
-            .await?;
+        let query = catch_up_query(polling_enabled(&tx).await?);
+        let portal = tx.bind(&query, &[&base, &safe]).await?;
         sink.begin(None);
         let mut count = 0u64;
         let mut held = 0u64;
@@ -544,6 +515,39 @@ impl Session<'_> {
         self.metrics.caught_up_events.inc_by(count);
         Ok(count)
     }
+}
+
+/// Whether Kafka's horizon was recorded on this server's history; one from
+/// another (a promoted standby, a restore) is left out, with a warning.
+fn recorded_here(horizon: &Horizon, origin: &str) -> bool {
+    let here = horizon.origin == origin;
+    if !here {
+        tracing::warn!(recorded_on = %horizon.origin, server = %origin, "Kafka's horizon was recorded on another server history (a promoted standby, a restore): leaving out only what relay_progress's safe snapshot shows; events committed after it are delivered again");
+    }
+    here
+}
+
+/// The catch-up's query: the events of transactions that neither Kafka's
+/// horizon ($1) nor the safe snapshot ($2) shows, in aggregate order. Where
+/// polling relays run, only what is still pending: they published the rest,
+/// and a slot that takes over from them starts where they are.
+fn catch_up_query(polled: bool) -> String {
+    if polled {
+        tracing::info!("polling is enabled: the catch-up delivers only the events still pending");
+    }
+    let only_pending = if polled {
+        "AND EXISTS (SELECT 1 FROM outbox.pending p WHERE p.aggregate_type = e.aggregate_type \
+                        AND p.aggregate_id = e.aggregate_id AND p.aggregate_seq = e.aggregate_seq)"
+    } else {
+        ""
+    };
+    format!(
+        "SELECT {EVENT_COLUMNS}, e.txid::text::bigint FROM outbox.events e \
+          WHERE NOT coalesce(pg_visible_in_snapshot(e.txid, $1::text::pg_snapshot), false) \
+            AND NOT coalesce(pg_visible_in_snapshot(e.txid, $2::text::pg_snapshot), false) \
+            {only_pending} \
+          ORDER BY aggregate_type, aggregate_id, aggregate_seq"
+    )
 }
 
 /// Whether polling relays are enabled (pg_outbox 0.5.0 and later).
@@ -607,8 +611,9 @@ pub async fn forward<S: Source, K: Sink>(
 
 fn confirm<S: Source>(source: &mut S, metrics: &Metrics, lsn: Lsn) -> Lsn {
     source.confirm(lsn);
-    metrics.health.confirmed(metrics.lag_bytes.get());
+    metrics.health.confirmed(metrics.slot.lag_bytes.get());
     metrics
+        .slot
         .confirmed_lsn
         .set(i64::try_from(lsn.0).unwrap_or(i64::MAX));
     faults::check("after_confirm");
@@ -625,8 +630,8 @@ async fn record_parked(sql: &Client, config: &Config, metrics: &Metrics) -> Resu
         return Ok(());
     }
     let (parked, oldest) = parking::figures(sql).await?;
-    metrics.parked_aggregates.set(parked);
-    metrics.parked_oldest_seconds.set(oldest as i64);
+    metrics.parking.parked_aggregates.set(parked);
+    metrics.parking.oldest_seconds.set(oldest as i64);
     Ok(())
 }
 
