@@ -11,7 +11,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 /// Label of `outbox_errors_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -38,201 +38,202 @@ pub struct Metrics {
     pub kafka_commits: Counter,
     pub kafka_commit_seconds: Histogram,
     pub end_to_end_seconds: Histogram,
-    pub lag_bytes: Gauge,
-    pub retained_wal_bytes: Gauge,
-    /// The slot's `wal_status`, as [`wal_status_code`] numbers it.
-    pub slot_wal_status: Gauge,
-    pub confirmed_lsn: Gauge,
     pub retries: Counter,
     pub errors: Family<ErrorKind, Counter>,
-    pub dead_lettered: Counter,
-    /// Events dead-lettered behind an earlier one of their aggregate.
-    pub parked_events: Counter,
-    /// Aggregates parked behind a dead-lettered event (read each second).
-    pub parked_aggregates: Gauge,
-    /// How long the oldest parked aggregate has been parked, in seconds.
-    pub parked_oldest_seconds: Gauge,
     pub caught_up_events: Counter,
-    /// Polling (`--source poll`): events no relay has published yet.
-    pub poll_pending_events: Gauge,
-    /// Polling: age of the oldest pending event, in milliseconds.
-    pub poll_oldest_pending_ms: Gauge,
-    /// Polling: aggregates this relay leases.
-    pub poll_leases_held: Gauge,
-    /// Polling: leases past their expiry that no relay took over yet.
-    pub poll_leases_expired: Gauge,
-    /// Polling: expired leases of other relays this relay took over.
-    pub poll_leases_taken_over: Counter,
+    pub slot: SlotMetrics,
+    pub parking: ParkingMetrics,
+    pub polling: PollMetrics,
     state_gauge: Gauge,
     state: AtomicI64,
     /// What `/healthz` and `/readyz` judge by.
     pub health: Arc<Health>,
 }
 
+/// The replication slot, as the forwarder last read it.
+pub struct SlotMetrics {
+    pub lag_bytes: Gauge,
+    pub retained_wal_bytes: Gauge,
+    /// The slot's `wal_status`, as [`wal_status_code`] numbers it.
+    pub wal_status: Gauge,
+    pub confirmed_lsn: Gauge,
+}
+
+/// Dead letters and the aggregates parked behind them.
+pub struct ParkingMetrics {
+    pub dead_lettered: Counter,
+    /// Events dead-lettered behind an earlier one of their aggregate.
+    pub parked_events: Counter,
+    /// Aggregates parked behind a dead-lettered event (read each second).
+    pub parked_aggregates: Gauge,
+    /// How long the oldest parked aggregate has been parked, in seconds.
+    pub oldest_seconds: Gauge,
+}
+
+/// Polling relays (`--source poll`).
+pub struct PollMetrics {
+    /// Events no relay has published yet.
+    pub pending_events: Gauge,
+    /// Age of the oldest pending event, in milliseconds.
+    pub oldest_pending_ms: Gauge,
+    /// Aggregates this relay leases.
+    pub leases_held: Gauge,
+    /// Leases past their expiry that no relay took over yet.
+    pub leases_expired: Gauge,
+    /// Expired leases of other relays this relay took over.
+    pub leases_taken_over: Counter,
+}
+
+/// Registers `metric` under `name` (prefixed `outbox_`) and hands it back.
+fn registered_as<M: Metric + Clone>(
+    registry: &mut Registry,
+    name: &str,
+    help: &str,
+    metric: M,
+) -> M {
+    registry.register(name, help, metric.clone());
+    metric
+}
+
+/// A new metric of its default kind, registered as by [`registered_as`].
+fn registered<M: Metric + Clone + Default>(registry: &mut Registry, name: &str, help: &str) -> M {
+    registered_as(registry, name, help, M::default())
+}
+
+impl SlotMetrics {
+    fn registered(r: &mut Registry) -> Self {
+        SlotMetrics {
+            lag_bytes: registered(
+                r,
+                "replication_lag_bytes",
+                "WAL between the server's position and the slot's confirmed position",
+            ),
+            retained_wal_bytes: registered(
+                r,
+                "retained_wal_bytes",
+                "WAL the slot holds back (from its restart_lsn)",
+            ),
+            wal_status: registered(
+                r,
+                "slot_wal_status",
+                "The slot's wal_status: 0 reserved, 1 extended, 2 unreserved (soon lost), 3 lost",
+            ),
+            confirmed_lsn: registered(
+                r,
+                "confirmed_lsn",
+                "Last position confirmed to the slot, as a number",
+            ),
+        }
+    }
+}
+
+impl ParkingMetrics {
+    fn registered(r: &mut Registry) -> Self {
+        ParkingMetrics {
+            dead_lettered: registered(
+                r,
+                "dead_lettered_events",
+                "Poison events sent to the dead-letter topic",
+            ),
+            parked_events: registered(
+                r,
+                "parked_events",
+                "Events dead-lettered behind an earlier dead letter of their aggregate",
+            ),
+            parked_aggregates: registered(
+                r,
+                "parked_aggregates",
+                "Aggregates held behind a dead-lettered event until redrive (read each second)",
+            ),
+            oldest_seconds: registered(
+                r,
+                "parked_oldest_seconds",
+                "How long the oldest parked aggregate has been parked",
+            ),
+        }
+    }
+}
+
+impl PollMetrics {
+    fn registered(r: &mut Registry) -> Self {
+        PollMetrics {
+            pending_events: registered(
+                r,
+                "poll_pending_events",
+                "Polling: events no relay has published yet (every relay's, read each second)",
+            ),
+            oldest_pending_ms: registered(
+                r,
+                "poll_oldest_pending_milliseconds",
+                "Polling: age of the oldest pending event",
+            ),
+            leases_held: registered(
+                r,
+                "poll_leases_held",
+                "Polling: aggregates this relay leases",
+            ),
+            leases_expired: registered(
+                r,
+                "poll_leases_expired",
+                "Polling: leases past their expiry that no relay has taken over yet",
+            ),
+            leases_taken_over: registered(
+                r,
+                "poll_leases_taken_over",
+                "Polling: expired leases of other relays that this relay took over",
+            ),
+        }
+    }
+}
+
 impl Metrics {
+    /// Every metric, registered in the order `/metrics` lists them.
     pub fn new(limits: Limits) -> Arc<Self> {
         let mut registry = Registry::with_prefix("outbox");
-        let events = Counter::default();
-        let bytes = Counter::default();
-        let transactions = Counter::default();
-        let kafka_commits = Counter::default();
-        let kafka_commit_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 14));
-        let end_to_end_seconds = Histogram::new(exponential_buckets(0.001, 2.0, 16));
-        let lag_bytes = Gauge::default();
-        let retained_wal_bytes = Gauge::default();
-        let slot_wal_status = Gauge::default();
-        let confirmed_lsn = Gauge::default();
-        let retries = Counter::default();
-        let errors = Family::<ErrorKind, Counter>::default();
-        let dead_lettered = Counter::default();
-        let parked_events = Counter::default();
-        let parked_aggregates = Gauge::default();
-        let parked_oldest_seconds = Gauge::default();
-        let caught_up_events = Counter::default();
-        let poll_pending_events = Gauge::default();
-        let poll_oldest_pending_ms = Gauge::default();
-        let poll_leases_held = Gauge::default();
-        let poll_leases_expired = Gauge::default();
-        let poll_leases_taken_over = Counter::default();
-        let state_gauge = Gauge::default();
-        registry.register(
-            "events_forwarded",
-            "Events Kafka acknowledged",
-            events.clone(),
-        );
-        registry.register(
-            "bytes_forwarded",
-            "Payload bytes Kafka acknowledged",
-            bytes.clone(),
-        );
-        registry.register(
-            "transactions_forwarded",
-            "PostgreSQL transactions confirmed to the slot",
-            transactions.clone(),
-        );
-        registry.register(
-            "kafka_commits",
-            "Kafka transactions committed (exactly-once mode)",
-            kafka_commits.clone(),
-        );
-        registry.register(
-            "kafka_commit_seconds",
-            "Time of one Kafka transaction commit",
-            kafka_commit_seconds.clone(),
-        );
-        registry.register(
-            "end_to_end_seconds",
-            "From the PostgreSQL commit to Kafka's acknowledgement, per transaction",
-            end_to_end_seconds.clone(),
-        );
-        registry.register(
-            "replication_lag_bytes",
-            "WAL between the server's position and the slot's confirmed position",
-            lag_bytes.clone(),
-        );
-        registry.register(
-            "retained_wal_bytes",
-            "WAL the slot holds back (from its restart_lsn)",
-            retained_wal_bytes.clone(),
-        );
-        registry.register(
-            "slot_wal_status",
-            "The slot's wal_status: 0 reserved, 1 extended, 2 unreserved (about to be lost), 3 lost",
-            slot_wal_status.clone(),
-        );
-        registry.register(
-            "confirmed_lsn",
-            "Last position confirmed to the slot, as a number",
-            confirmed_lsn.clone(),
-        );
-        registry.register(
-            "retries",
-            "Sessions restarted after a transient failure",
-            retries.clone(),
-        );
-        registry.register("errors", "Errors by kind", errors.clone());
-        registry.register(
-            "dead_lettered_events",
-            "Poison events sent to the dead-letter topic",
-            dead_lettered.clone(),
-        );
-        registry.register(
-            "parked_events",
-            "Events dead-lettered behind an earlier dead letter of their aggregate",
-            parked_events.clone(),
-        );
-        registry.register(
-            "parked_aggregates",
-            "Aggregates held back behind a dead-lettered event until redrive (read each second)",
-            parked_aggregates.clone(),
-        );
-        registry.register(
-            "parked_oldest_seconds",
-            "How long the oldest parked aggregate has been parked",
-            parked_oldest_seconds.clone(),
-        );
-        registry.register(
-            "catch_up_events",
-            "Events delivered by first-start catch-ups",
-            caught_up_events.clone(),
-        );
-        registry.register(
-            "poll_pending_events",
-            "Polling: events no relay has published yet (every relay's, read each second)",
-            poll_pending_events.clone(),
-        );
-        registry.register(
-            "poll_oldest_pending_milliseconds",
-            "Polling: age of the oldest pending event",
-            poll_oldest_pending_ms.clone(),
-        );
-        registry.register(
-            "poll_leases_held",
-            "Polling: aggregates this relay leases",
-            poll_leases_held.clone(),
-        );
-        registry.register(
-            "poll_leases_expired",
-            "Polling: leases past their expiry that no relay has taken over yet",
-            poll_leases_expired.clone(),
-        );
-        registry.register(
-            "poll_leases_taken_over",
-            "Polling: expired leases of other relays that this relay took over",
-            poll_leases_taken_over.clone(),
-        );
-        registry.register(
-            "state",
-            "0 starting, 1 streaming, 2 standby, 3 reconnecting, 4 fenced, 5 stopped",
-            state_gauge.clone(),
-        );
+        let r = &mut registry;
         Arc::new(Metrics {
-            registry,
-            events,
-            bytes,
-            transactions,
-            kafka_commits,
-            kafka_commit_seconds,
-            end_to_end_seconds,
-            lag_bytes,
-            retained_wal_bytes,
-            slot_wal_status,
-            confirmed_lsn,
-            retries,
-            errors,
-            dead_lettered,
-            parked_events,
-            parked_aggregates,
-            parked_oldest_seconds,
-            caught_up_events,
-            poll_pending_events,
-            poll_oldest_pending_ms,
-            poll_leases_held,
-            poll_leases_expired,
-            poll_leases_taken_over,
-            state_gauge,
+            events: registered(r, "events_forwarded", "Events Kafka acknowledged"),
+            bytes: registered(r, "bytes_forwarded", "Payload bytes Kafka acknowledged"),
+            transactions: registered(
+                r,
+                "transactions_forwarded",
+                "PostgreSQL transactions confirmed to the slot",
+            ),
+            kafka_commits: registered(
+                r,
+                "kafka_commits",
+                "Kafka transactions committed (exactly-once mode)",
+            ),
+            kafka_commit_seconds: registered_as(
+                r,
+                "kafka_commit_seconds",
+                "Time of one Kafka transaction commit",
+                Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            ),
+            end_to_end_seconds: registered_as(
+                r,
+                "end_to_end_seconds",
+                "From the PostgreSQL commit to Kafka's acknowledgement, per transaction",
+                Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+            ),
+            slot: SlotMetrics::registered(r),
+            retries: registered(r, "retries", "Sessions restarted after a transient failure"),
+            errors: registered(r, "errors", "Errors by kind"),
+            parking: ParkingMetrics::registered(r),
+            caught_up_events: registered(
+                r,
+                "catch_up_events",
+                "Events delivered by first-start catch-ups",
+            ),
+            polling: PollMetrics::registered(r),
+            state_gauge: registered(
+                r,
+                "state",
+                "0 starting, 1 streaming, 2 standby, 3 reconnecting, 4 fenced, 5 stopped",
+            ),
             state: AtomicI64::new(State::Starting as i64),
             health: Arc::new(Health::new(limits)),
+            registry,
         })
     }
 
@@ -267,7 +268,7 @@ impl Metrics {
             5 => Some("stopped"),
             _ => Some("starting"),
         };
-        self.health.readiness(state, self.lag_bytes.get())
+        self.health.readiness(state, self.slot.lag_bytes.get())
     }
 
     /// `Ok` while the forwarding loop steps (see [`crate::health`]).

@@ -112,9 +112,9 @@ pub async fn record_figures(sql: &Client, metrics: &Metrics) -> Result<()> {
             &[],
         )
         .await?;
-    metrics.poll_pending_events.set(row.get(0));
-    metrics.poll_oldest_pending_ms.set(row.get(1));
-    metrics.poll_leases_expired.set(row.get(2));
+    metrics.polling.pending_events.set(row.get(0));
+    metrics.polling.oldest_pending_ms.set(row.get(1));
+    metrics.polling.leases_expired.set(row.get(2));
     Ok(())
 }
 
@@ -380,7 +380,7 @@ impl Relay {
             let aggregate: Aggregate = (row.get(0), row.get(1));
             let taken_over: bool = row.get(2);
             if taken_over {
-                self.metrics.poll_leases_taken_over.inc();
+                self.metrics.polling.leases_taken_over.inc();
                 tracing::info!(aggregate_type = %aggregate.0, aggregate_id = %aggregate.1, "took over an expired lease");
             }
             if !self.held.contains(&aggregate)
@@ -402,7 +402,7 @@ impl Relay {
         if last_claimed.is_some() {
             self.resume = last_claimed;
         }
-        self.metrics.poll_leases_held.set(held.len() as i64);
+        self.metrics.polling.leases_held.set(held.len() as i64);
         self.held = held;
         Ok(())
     }
@@ -503,7 +503,7 @@ impl Relay {
             .execute("SELECT outbox.poll_release($1)", &[&self.settings.relay])
             .await?;
         self.held.clear();
-        self.metrics.poll_leases_held.set(0);
+        self.metrics.polling.leases_held.set(0);
         tracing::info!(relay = %self.settings.relay, "polling relay released its leases");
         Ok(())
     }

@@ -231,7 +231,7 @@ impl<K: Kafka> Publisher<K> {
             "dead_letter_parked_behind".to_owned(),
             behind.first_event_id,
         )];
-        self.metrics.parked_events.inc();
+        self.metrics.parking.parked_events.inc();
         self.send_dead_letter(event, reason, None, extra, tag).await
     }
 
@@ -272,7 +272,7 @@ impl<K: Kafka> Publisher<K> {
             value: None,
         };
         self.kafka.send(&event, &route, tag).await?;
-        self.metrics.dead_lettered.inc();
+        self.metrics.parking.dead_lettered.inc();
         tracing::warn!(event_id = %event.event_id, reason = %reason, topic = %dead_letter_topic, "poison event sent to the dead-letter topic");
         Ok(())
     }
