@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 pub use crate::pg_target::{PgTarget, PgTls, SslMode};
-use crate::routing::{is_valid_topic, Router, ValueFormat, DEFAULT_TOPIC_TEMPLATE};
+use crate::routing::{is_valid_topic, Router, ValueFormat};
 
 /// The delivery guarantee.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -66,15 +66,11 @@ impl PollSettings {
     }
 }
 
-impl Default for PollSettings {
-    fn default() -> Self {
-        PollSettings {
-            relay: format!("{}:{}", hostname(), std::process::id()),
-            interval: Duration::from_millis(100),
-            lease: Duration::from_secs(5),
-            max_events: 5_000,
-            max_aggregates: 1_000,
-        }
+impl PollSettings {
+    /// The relay name of a relay not given one: the host's name and the
+    /// process id.
+    pub fn host_relay_name() -> String {
+        format!("{}:{}", hostname(), std::process::id())
     }
 }
 
@@ -109,7 +105,17 @@ pub const OFFSETS_TOPIC_PREFIX: &str = "pg_outbox.offsets.";
 /// own; read once, on an upgrade.
 pub const SHARED_OFFSETS_TOPIC: &str = "pg_outbox.offsets";
 
-/// Everything `outbox-forwarder run` needs.
+/// At most this many events produced but not yet acknowledged by Kafka.
+pub const MAX_IN_FLIGHT_EVENTS: usize = 10_000;
+/// At most this many payload bytes produced but not yet acknowledged.
+pub const MAX_IN_FLIGHT_BYTES: usize = 64 << 20;
+/// Longest wait between reconnection attempts.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Kafka's `transaction.timeout.ms` for the exactly-once producer.
+pub const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Everything `outbox-forwarder run` needs, built from the
+/// [`Options`](crate::options::Options) (see [`Config::new`] for their defaults).
 #[derive(Debug, Clone)]
 pub struct Config {
     /// The replication slot, or polling relays.
@@ -322,37 +328,6 @@ impl Config {
             self.value_format,
             format!("pg_outbox/{}/{}", self.postgres.dbname(), self.slot),
         )
-    }
-
-    pub fn new(postgres_url: &str, kafka_bootstrap: &str) -> Result<Self> {
-        let config = Config {
-            source: SourceKind::Slot,
-            poll: PollSettings::default(),
-            postgres: PgTarget::parse(postgres_url)?,
-            kafka_bootstrap: kafka_bootstrap.to_owned(),
-            slot: "pg_outbox".into(),
-            publication: "pg_outbox".into(),
-            create_missing: true,
-            failover_slot: true,
-            topic_template: DEFAULT_TOPIC_TEMPLATE.into(),
-            max_in_flight_events: 10_000,
-            max_in_flight_bytes: 64 << 20,
-            max_backoff: Duration::from_secs(30),
-            delivery: Delivery::AtLeastOnce,
-            offsets_topic: None,
-            offsets_replication_factor: None,
-            transactional_id_override: None,
-            batch_max_events: 5_000,
-            batch_linger: Duration::ZERO,
-            transaction_timeout: Duration::from_secs(300),
-            dead_letter_topic: None,
-            park_aggregates: true,
-            value_format: ValueFormat::Raw,
-            kafka_security: KafkaSecurity::default(),
-            kafka_properties: KafkaProperties::default(),
-        };
-        config.validate()?;
-        Ok(config)
     }
 
     /// The transactional id: one per database and slot, so a second

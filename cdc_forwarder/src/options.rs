@@ -13,11 +13,13 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use clap::{Args, Command};
+use std::time::Duration;
+
+use clap::{Args, Command, FromArgMatches};
 
 use crate::config::{
-    Config, Delivery, KafkaProperties, KafkaProtocol, KafkaSecurity, PollSettings, SaslMechanism,
-    SourceKind,
+    self, Config, Delivery, KafkaProperties, KafkaProtocol, KafkaSecurity, PgTarget, PollSettings,
+    SaslMechanism, SourceKind,
 };
 use crate::error::{Error, Result};
 use crate::routing::{ValueFormat, DEFAULT_TOPIC_TEMPLATE};
@@ -160,10 +162,21 @@ impl Options {
     /// What `/healthz` and `/readyz` judge by.
     pub fn health_limits(&self) -> crate::health::Limits {
         crate::health::Limits {
-            liveness_timeout: std::time::Duration::from_millis(self.liveness_timeout_ms),
+            liveness_timeout: Duration::from_millis(self.liveness_timeout_ms),
             ready_max_lag_bytes: self.ready_max_lag_bytes,
-            ready_max_stall: std::time::Duration::from_millis(self.ready_max_stall_ms),
+            ready_max_stall: Duration::from_millis(self.ready_max_stall_ms),
         }
+    }
+
+    /// Every option at its built-in default: what a run with no flag, no
+    /// environment variable and no configuration file has.
+    pub fn defaults() -> Result<Options> {
+        let matches = arguments()
+            .mut_args(|arg| arg.env(None))
+            .try_get_matches_from(["options"])
+            .map_err(|e| Error::Bug(format!("the options' defaults do not parse: {e}")))?;
+        Options::from_arg_matches(&matches)
+            .map_err(|e| Error::Bug(format!("the options' defaults do not parse: {e}")))
     }
 
     /// The configuration these options describe, with the file's raw
@@ -175,42 +188,65 @@ impl Options {
         let kafka_bootstrap = self.kafka_bootstrap.as_deref().ok_or_else(|| {
             Error::Config("no Kafka bootstrap servers: pass --kafka-bootstrap, set OUTBOX_KAFKA_BOOTSTRAP, or kafka_bootstrap in the config file".into())
         })?;
-        let mut config = Config::new(postgres_url, kafka_bootstrap)?;
-        config.kafka_properties = kafka_properties.clone();
-        config.source = self.source;
-        config.poll = PollSettings {
-            relay: self.relay_name.unwrap_or(config.poll.relay),
-            interval: std::time::Duration::from_millis(self.poll_interval_ms),
-            lease: std::time::Duration::from_millis(self.poll_lease_ms),
-            max_events: self.poll_max_events,
-            max_aggregates: self.poll_max_aggregates,
-        };
-        config.slot = self.slot;
-        config.publication = self.publication;
-        config.topic_template = self.topic_template;
-        config.create_missing = !self.no_create;
-        config.failover_slot = !self.no_failover_slot;
-        config.delivery = self.delivery;
-        config.offsets_topic = self.offsets_topic;
-        config.offsets_replication_factor = self.offsets_replication_factor;
-        config.dead_letter_topic = self.dead_letter_topic;
-        config.park_aggregates = !self.dead_letter_unordered;
-        config.value_format = self.value_format;
-        config.batch_max_events = self.batch_max_events;
-        config.batch_linger = std::time::Duration::from_millis(self.batch_linger_ms);
         let protocol = self.kafka_security_protocol;
-        config.kafka_security = KafkaSecurity {
-            protocol,
-            // The mechanism has a default; it applies only when SASL is used.
-            sasl_mechanism: protocol
-                .is_some_and(KafkaProtocol::uses_sasl)
-                .then_some(self.kafka_sasl_mechanism),
-            sasl_username: self.kafka_sasl_username,
-            sasl_password: self.kafka_sasl_password,
-            ssl_ca: self.kafka_ssl_ca,
+        let config = Config {
+            source: self.source,
+            poll: PollSettings {
+                relay: self
+                    .relay_name
+                    .unwrap_or_else(PollSettings::host_relay_name),
+                interval: Duration::from_millis(self.poll_interval_ms),
+                lease: Duration::from_millis(self.poll_lease_ms),
+                max_events: self.poll_max_events,
+                max_aggregates: self.poll_max_aggregates,
+            },
+            postgres: PgTarget::parse(postgres_url)?,
+            kafka_bootstrap: kafka_bootstrap.to_owned(),
+            slot: self.slot,
+            publication: self.publication,
+            create_missing: !self.no_create,
+            failover_slot: !self.no_failover_slot,
+            topic_template: self.topic_template,
+            max_in_flight_events: config::MAX_IN_FLIGHT_EVENTS,
+            max_in_flight_bytes: config::MAX_IN_FLIGHT_BYTES,
+            max_backoff: config::MAX_BACKOFF,
+            delivery: self.delivery,
+            offsets_topic: self.offsets_topic,
+            offsets_replication_factor: self.offsets_replication_factor,
+            transactional_id_override: None,
+            batch_max_events: self.batch_max_events,
+            batch_linger: Duration::from_millis(self.batch_linger_ms),
+            transaction_timeout: config::TRANSACTION_TIMEOUT,
+            dead_letter_topic: self.dead_letter_topic,
+            park_aggregates: !self.dead_letter_unordered,
+            value_format: self.value_format,
+            kafka_security: KafkaSecurity {
+                protocol,
+                // The mechanism has a default; it applies only when SASL is used.
+                sasl_mechanism: protocol
+                    .is_some_and(KafkaProtocol::uses_sasl)
+                    .then_some(self.kafka_sasl_mechanism),
+                sasl_username: self.kafka_sasl_username,
+                sasl_password: self.kafka_sasl_password,
+                ssl_ca: self.kafka_ssl_ca,
+            },
+            kafka_properties: kafka_properties.clone(),
         };
         config.validate()?;
         Ok(config)
+    }
+}
+
+impl Config {
+    /// The configuration of every option's default, for this database and
+    /// Kafka cluster; validated.
+    pub fn new(postgres_url: &str, kafka_bootstrap: &str) -> Result<Self> {
+        Options {
+            postgres_url: Some(postgres_url.to_owned()),
+            kafka_bootstrap: Some(kafka_bootstrap.to_owned()),
+            ..Options::defaults()?
+        }
+        .into_config(&KafkaProperties::default())
     }
 }
 
