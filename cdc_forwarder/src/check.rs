@@ -4,6 +4,8 @@
 use std::time::Duration;
 
 use crate::config::{Config, SourceKind};
+use crate::database::{self, Outbox, Polling};
+use crate::publication;
 use crate::slot::{self, Severity};
 
 mod kafka;
@@ -71,14 +73,21 @@ async fn postgres(config: &Config) -> Vec<Check> {
         checks.push(wal_level(&client).await);
         checks.push(replication_role(&client, config).await);
     }
-    checks.push(extension(&client, config).await);
+    let outbox = match database::probe(&client).await {
+        Ok(outbox) => outbox,
+        Err(e) => {
+            checks.push(Check::fail("extension", e.to_string()));
+            return checks;
+        }
+    };
+    checks.push(extension(&outbox, config));
     checks.push(privileges(&client, config).await);
     checks.push(connect_privilege(&client).await);
     if config.parks_aggregates() {
-        checks.push(parked(&client).await);
+        checks.push(parked(&client, &outbox).await);
     }
     if !slot_source {
-        checks.push(polling(&client).await);
+        checks.push(polling(&client, &outbox).await);
         return checks;
     }
     checks.push(publication(&client, config).await);
@@ -93,8 +102,8 @@ async fn postgres(config: &Config) -> Vec<Check> {
 async fn connect_primary(config: &Config) -> Result<(tokio_postgres::Client, Check), Check> {
     let target = config.postgres.redacted();
     let primary = async {
-        let primary = slot::primary(&config.postgres).await?;
-        Ok::<_, crate::error::Error>((slot::connect(&primary).await?, primary.redacted()))
+        let primary = database::primary(&config.postgres).await?;
+        Ok::<_, crate::error::Error>((database::connect(&primary).await?, primary.redacted()))
     };
     let (client, target) = match tokio::time::timeout(Duration::from_secs(30), primary).await {
         Ok(Ok((client, primary))) if primary != target => {
@@ -171,20 +180,11 @@ async fn replication_role(client: &tokio_postgres::Client, config: &Config) -> C
     }
 }
 
-/// The extension, or the SQL edition, which marks its version in the
-/// schema's comment.
-async fn extension(client: &tokio_postgres::Client, config: &Config) -> Check {
-    let outbox = client
-        .query_one(
-            "SELECT coalesce((SELECT 'pg_outbox ' || extversion FROM pg_extension WHERE extname = 'pg_outbox'),
-                             (SELECT d FROM obj_description(to_regnamespace('outbox'), 'pg_namespace') d
-                               WHERE d LIKE 'pg_outbox SQL edition %'))",
-            &[],
-        )
-        .await;
-    match outbox.map(|row| row.get::<_, Option<String>>(0)) {
-        Ok(Some(installed)) => Check::ok("extension", installed),
-        _ => Check::fail(
+/// The extension, or the SQL edition.
+fn extension(outbox: &Outbox, config: &Config) -> Check {
+    match &outbox.installed {
+        Some(installed) => Check::ok("extension", installed.clone()),
+        None => Check::fail(
             "extension",
             format!(
                 "pg_outbox is not installed in {}; run CREATE EXTENSION pg_outbox as a superuser, or on managed PostgreSQL install sql/pg_outbox_sql.sql as the database owner",
@@ -195,7 +195,7 @@ async fn extension(client: &tokio_postgres::Client, config: &Config) -> Check {
 }
 
 async fn publication(client: &tokio_postgres::Client, config: &Config) -> Check {
-    match slot::publication_exists(client, &config.publication).await {
+    match publication::exists(client, &config.publication).await {
         Ok(true) => Check::ok("publication", format!("{} exists", config.publication)),
         Ok(false) if config.create_missing => Check::ok(
             "publication",
@@ -266,7 +266,13 @@ async fn retention(client: &tokio_postgres::Client, config: &Config) -> Check {
 
 /// Dead letters that park their aggregates: the functions exist, and what
 /// is parked waits for redrive.
-async fn parked(client: &tokio_postgres::Client) -> Check {
+async fn parked(client: &tokio_postgres::Client, outbox: &Outbox) -> Check {
+    if !outbox.parking {
+        return Check::fail(
+            "dead letters",
+            "dead letters that keep order need pg_outbox 0.6.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again), or pass --dead-letter-unordered",
+        );
+    }
     match crate::parking::figures(client).await {
         Ok((0, _)) => Check::ok("dead letters", "none parked; a dead letter parks its aggregate"),
         Ok((parked, oldest)) => Check::warn(
@@ -275,68 +281,46 @@ async fn parked(client: &tokio_postgres::Client) -> Check {
                 "{parked} aggregates parked behind a dead letter, the oldest for {oldest:.0} s; fix the cause, then run outbox-forwarder redrive"
             ),
         ),
-        Err(crate::error::Error::Postgres(e)) => Check::fail(
-            "dead letters",
-            format!(
-                "{}; dead letters that keep order need pg_outbox 0.6.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again), or pass --dead-letter-unordered",
-                crate::error::describe_postgres(&e)
-            ),
-        ),
         Err(e) => Check::fail("dead letters", e.to_string()),
     }
 }
 
 /// Polling relays: polling is on, with what is pending.
-async fn polling(client: &tokio_postgres::Client) -> Check {
-    use crate::poll::Polling;
-    match crate::poll::polling(client).await {
-        Ok(Polling::On) => {}
-        Ok(Polling::Off) => {
+async fn polling(client: &tokio_postgres::Client, outbox: &Outbox) -> Check {
+    match outbox.polling {
+        Polling::On => {}
+        Polling::Off => {
             return Check::fail(
                 "polling",
                 "off; run SELECT outbox.enable_polling(); as the outbox's owner",
             )
         }
-        Ok(Polling::NoOutbox | Polling::Unsupported) => {
+        Polling::NoOutbox | Polling::Unsupported => {
             return Check::fail(
                 "polling",
                 "polling needs pg_outbox 0.5.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again)",
             )
         }
-        Err(e) => return Check::fail("polling", e.to_string()),
     }
     match client
         .query_one(
-            "SELECT enabled, pending_events, leases_held FROM outbox.poll_status()",
+            "SELECT pending_events, leases_held FROM outbox.poll_status()",
             &[],
         )
         .await
     {
-        Ok(row) if row.get::<_, bool>(0) => Check::ok(
+        Ok(row) => Check::ok(
             "polling",
             format!(
                 "enabled; {} events pending, {} aggregates leased",
-                row.get::<_, i64>(1),
-                row.get::<_, i64>(2)
+                row.get::<_, i64>(0),
+                row.get::<_, i64>(1)
             ),
         ),
-        Ok(_) => Check::fail(
-            "polling",
-            "off; run SELECT outbox.enable_polling(); as the outbox's owner",
-        ),
-        Err(e) => Check::fail(
-            "polling",
-            format!(
-                "{}; polling needs pg_outbox 0.5.0 or later (ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again)",
-                crate::error::describe_postgres(&e)
-            ),
-        ),
+        Err(e) => Check::fail("polling", crate::error::describe_postgres(&e)),
     }
 }
 
-/// Whether the slot survives a promotion of a standby: on 17 and later a
-/// failover slot, kept in step on standbys that synchronise slots, which
-/// the primary waits for when `synchronized_standby_slots` names them.
 /// Whether the login holds this database's relay role: the role granted
 /// EXECUTE on `outbox.ensure_publication`, read from pg_catalog, which needs
 /// no privilege on schema outbox. Warns while the relay role is still held
@@ -419,6 +403,9 @@ async fn connect_privilege(client: &tokio_postgres::Client) -> Check {
     }
 }
 
+/// Whether the slot survives a promotion of a standby: on 17 and later a
+/// failover slot, kept in step on standbys that synchronise slots, which
+/// the primary waits for when `synchronized_standby_slots` names them.
 async fn failover(client: &tokio_postgres::Client, config: &Config) -> Check {
     let row = match client
         .query_one(

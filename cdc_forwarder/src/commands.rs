@@ -4,7 +4,9 @@
 
 use cdc_forwarder::metrics::{self, Metrics};
 use cdc_forwarder::options::Options;
-use cdc_forwarder::{check, pipeline, redrive, replay, slot, status, Config, Error};
+use cdc_forwarder::{
+    check, database, pipeline, publication, redrive, replay, slot, status, Config, Error,
+};
 use tokio::sync::watch;
 
 use crate::Action;
@@ -62,7 +64,7 @@ pub async fn status(config: Config, json: bool) -> Result<(), Error> {
 
 /// `slot create|drop`.
 pub async fn slot(config: Config, action: Action) -> Result<(), Error> {
-    let client = slot::connect(&config.postgres).await?;
+    let client = database::connect(&config.postgres).await?;
     match action {
         Action::Create => {
             let failover = slot::wants_failover(&client, &config).await?;
@@ -76,7 +78,7 @@ pub async fn slot(config: Config, action: Action) -> Result<(), Error> {
 
 /// `publication create|drop`.
 pub async fn publication(config: Config, action: Action) -> Result<(), Error> {
-    let client = slot::connect(&config.postgres).await?;
+    let client = database::connect(&config.postgres).await?;
     match action {
         Action::Create => {
             client
@@ -86,7 +88,7 @@ pub async fn publication(config: Config, action: Action) -> Result<(), Error> {
                 )
                 .await?;
         }
-        Action::Drop => slot::drop_publication(&client, &config.publication).await?,
+        Action::Drop => publication::drop(&client, &config.publication).await?,
     }
     println!("publication {}: {}", config.publication, done(action));
     Ok(())

@@ -28,6 +28,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 
+use crate::error::{Error, Result};
 use crate::lsn::Lsn;
 
 /// Runs of ids listed at most (a record of about 1 MB); past it the horizon
@@ -326,6 +327,29 @@ impl Tracker {
             });
         }
     }
+}
+
+/// A snapshot and the WAL insert position read after it (see
+/// the module's docs).
+pub async fn mark(client: &tokio_postgres::Client) -> Result<Mark> {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT pg_current_snapshot()::text, pg_current_wal_insert_lsn()::text, {ORIGIN_SQL}"
+            ),
+            &[],
+        )
+        .await?;
+    let snapshot: String = row.get(0);
+    let lsn: String = row.get(1);
+    Ok(Mark {
+        snapshot: snapshot.parse().map_err(Error::Bug)?,
+        lsn: lsn
+            .parse()
+            .map_err(|_| Error::Bug(format!("not an LSN: {lsn}")))?,
+        exact: false,
+        origin: row.get(2),
+    })
 }
 
 #[cfg(test)]

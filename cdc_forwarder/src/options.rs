@@ -8,7 +8,7 @@
 //! environment variable, which beats the file, which beats the built-in
 //! default. A file key that names no option is refused by name, and a file
 //! value is checked by the option's own parser. The configuration
-//! reference (docs/src/configuration.md) is checked against [`reference`].
+//! reference (docs/src/configuration.md) is checked against [`reference()`].
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

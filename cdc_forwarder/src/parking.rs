@@ -19,9 +19,9 @@ use std::collections::{HashMap, HashSet};
 use tokio_postgres::Client;
 
 use crate::config::Config;
+use crate::database;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
-use crate::slot;
 
 /// The event an aggregate is parked behind.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,25 +41,21 @@ pub struct Parking {
 impl Parking {
     /// Connects and reads which aggregates are parked.
     pub async fn open(config: &Config) -> Result<Parking> {
-        let sql = slot::connect(&config.postgres).await?;
+        let sql = database::connect(&config.postgres).await?;
+        if !database::probe(&sql).await?.parking {
+            return Err(Error::Setup(
+                "dead letters that keep each aggregate's order need pg_outbox 0.6.0 or later: \
+                 run ALTER EXTENSION pg_outbox UPDATE (or the new SQL edition), or pass --dead-letter-unordered"
+                    .into(),
+            ));
+        }
         let mut known: HashMap<String, HashSet<String>> = HashMap::new();
-        let parked = match sql
+        let parked = sql
             .query(
                 "SELECT aggregate_type, aggregate_id FROM outbox.parked()",
                 &[],
             )
-            .await
-        {
-            Ok(rows) => rows,
-            Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) => {
-                return Err(Error::Setup(
-                    "dead letters that keep each aggregate's order need pg_outbox 0.6.0 or later: \
-                     run ALTER EXTENSION pg_outbox UPDATE (or the new SQL edition), or pass --dead-letter-unordered"
-                        .into(),
-                ))
-            }
-            Err(e) => return Err(e.into()),
-        };
+            .await?;
         for row in parked {
             known.entry(row.get(0)).or_default().insert(row.get(1));
         }

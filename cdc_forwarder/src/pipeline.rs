@@ -29,10 +29,11 @@ use tokio::sync::watch;
 use tokio_postgres::Client;
 
 use crate::config::{Config, Delivery, SourceKind};
+use crate::database;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
 use crate::faults;
-use crate::horizon::{Horizon, Mark, ORIGIN_SQL};
+use crate::horizon::{self, Horizon, Mark, ORIGIN_SQL};
 use crate::lsn::Lsn;
 use crate::metrics::{Metrics, State};
 use crate::offsets::OffsetStore;
@@ -46,6 +47,7 @@ use crate::sink::{
 };
 use crate::slot;
 use crate::source::{Change, SlotSource, Source};
+use crate::{progress, publication};
 
 /// How often the confirmed position is recorded in `outbox.relay_progress`.
 const PROGRESS_INTERVAL: Duration = Duration::from_secs(1);
@@ -160,14 +162,14 @@ async fn session(
 ) -> Result<()> {
     // Several hosts: this session streams from whichever is the primary now.
     let config = &Config {
-        postgres: slot::primary(&config.postgres).await?,
+        postgres: database::primary(&config.postgres).await?,
         ..config.clone()
     };
     if config.source == SourceKind::Poll {
         return poll_session(config, router, refused, metrics, shutdown).await;
     }
-    let sql = slot::connect(&config.postgres).await?;
-    slot::prepare(&sql, config).await?;
+    let sql = database::connect(&config.postgres).await?;
+    publication::prepare(&sql, config).await?;
     faults::check("producer_init");
     let out = publisher(config, router, refused, metrics).await?;
     out.kafka.connect().await;
@@ -238,7 +240,7 @@ async fn poll_session(
     metrics: &Arc<Metrics>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<()> {
-    let sql = slot::connect(&config.postgres).await?;
+    let sql = database::connect(&config.postgres).await?;
     poll::prepare(&sql).await?;
     faults::check("producer_init");
     let out = publisher(config, router, refused, metrics).await?;
@@ -323,7 +325,7 @@ impl Session<'_> {
         source.into_stream().close().await?;
         // The stream may have closed before its last status update went out.
         slot::advance(&self.sql, &config.slot, confirmed).await?;
-        slot::record_progress(&self.sql, &config.slot, confirmed, false).await?;
+        progress::record(&self.sql, &config.slot, confirmed, false).await?;
         tracing::info!(confirmed_lsn = %confirmed, "stopped");
         Ok(())
     }
@@ -337,7 +339,7 @@ impl Session<'_> {
             // lags: a statement the server refuses (as while the outbox's
             // schema is replaced under a running forwarder) is tried again at
             // the next tick. Losing the connection ends the session.
-            match slot::record_progress(&self.sql, &self.config.slot, confirmed, false).await {
+            match progress::record(&self.sql, &self.config.slot, confirmed, false).await {
                 Ok(()) => *recorded = confirmed,
                 Err(Error::Postgres(e)) if e.as_db_error().is_some() => {
                     self.metrics.error("postgres");
@@ -358,7 +360,7 @@ impl Session<'_> {
                 .set(crate::metrics::wal_status_code(&wal.wal_status));
         }
         if self.config.delivery == Delivery::ExactlyOnce {
-            return Ok(Some(slot::mark(&self.sql).await?));
+            return Ok(Some(horizon::mark(&self.sql).await?));
         }
         Ok(None)
     }
@@ -369,7 +371,7 @@ impl Session<'_> {
         let slot = &self.config.slot;
         Ok(slot::slot_exists(&self.sql, slot).await?
             && slot::invalidation(&self.sql, slot).await?.is_none()
-            && slot::caught_up(&self.sql, slot).await?)
+            && progress::caught_up(&self.sql, slot).await?)
     }
 
     /// Creates the slot (dropping one whose catch-up never finished) and
@@ -380,11 +382,11 @@ impl Session<'_> {
         sink: &mut S,
     ) -> Result<()> {
         let config = self.config;
-        if !slot::try_lock_catch_up(&self.sql, &config.slot).await? {
+        if !progress::try_lock_catch_up(&self.sql, &config.slot).await? {
             return Err(Error::SlotBusy(config.slot.clone()));
         }
         // What a lost slot's catch-up may leave out, read before its record goes.
-        let safe = slot::safe_snapshot(&self.sql, &config.slot).await?;
+        let safe = progress::safe_snapshot(&self.sql, &config.slot).await?;
         if let Some(reason) = slot::invalidation(&self.sql, &config.slot).await? {
             // It can never stream again: what it held back is gone.
             if !config.create_missing {
@@ -402,8 +404,8 @@ impl Session<'_> {
             // older offset (a slot lost and made again) does not count.
             let created_at = slot::confirmed_flush(&self.sql, &config.slot).await?;
             if let Some(stored) = sink.claim().await?.filter(|s| Some(*s) == created_at) {
-                slot::record_progress(&self.sql, &config.slot, stored, true).await?;
-                slot::unlock_catch_up(&self.sql, &config.slot).await?;
+                progress::record(&self.sql, &config.slot, stored, true).await?;
+                progress::unlock_catch_up(&self.sql, &config.slot).await?;
                 return Ok(());
             }
             if !config.create_missing {
@@ -425,13 +427,13 @@ impl Session<'_> {
         // The new slot's catch-up is undone until it is recorded done; a
         // crash before then redoes it (without the safe snapshot: at least
         // once repeats more, exactly-once has Kafka's horizon).
-        slot::forget(&self.sql, &config.slot).await?;
+        progress::forget(&self.sql, &config.slot).await?;
         let failover = slot::wants_failover(&self.sql, config).await?;
         let created = stream.create_slot(&config.slot, failover).await?;
         tracing::info!(slot = %config.slot, consistent_point = %created.consistent_point, failover, "created replication slot");
         let events = self.catch_up(&created, safe.as_deref(), sink).await?;
-        slot::record_progress(&self.sql, &config.slot, created.consistent_point, true).await?;
-        slot::unlock_catch_up(&self.sql, &config.slot).await?;
+        progress::record(&self.sql, &config.slot, created.consistent_point, true).await?;
+        progress::unlock_catch_up(&self.sql, &config.slot).await?;
         tracing::info!(events, "first-start catch-up done");
         Ok(())
     }
@@ -448,7 +450,7 @@ impl Session<'_> {
         sink: &mut S,
     ) -> Result<u64> {
         // A connection of its own: the session's stays free for progress.
-        let mut reader = slot::connect(&self.config.postgres).await?;
+        let mut reader = database::connect(&self.config.postgres).await?;
         let tx = reader
             .build_transaction()
             .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
@@ -552,7 +554,7 @@ fn catch_up_query(polled: bool) -> String {
 
 /// Whether polling relays are enabled (pg_outbox 0.5.0 and later).
 async fn polling_enabled(client: &impl tokio_postgres::GenericClient) -> Result<bool> {
-    Ok(crate::poll::polling(client).await? == crate::poll::Polling::On)
+    Ok(database::probe(client).await?.polling == database::Polling::On)
 }
 
 /// Moves changes from `source` to `sink` and confirms to the source what the

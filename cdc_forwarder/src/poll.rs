@@ -31,12 +31,12 @@ use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Statement};
 
 use crate::config::{Config, PollSettings};
+use crate::database::{self, Polling};
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
 use crate::faults;
 use crate::lsn::Lsn;
 use crate::metrics::Metrics;
-use crate::slot;
 use crate::source::{Change, Source};
 
 /// Batches fetched ahead of the pipeline.
@@ -50,44 +50,9 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// An aggregate: its type and id.
 type Aggregate = (String, String);
 
-/// What a database's outbox says of polling relays.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Polling {
-    /// No outbox in this database at all.
-    NoOutbox,
-    /// An outbox from before polling relays (0.5.0).
-    Unsupported,
-    Off,
-    On,
-}
-
-/// Asks the outbox whether polling relays are there and on: the one place
-/// that `run`, `check` and `status` learn it from.
-pub async fn polling(sql: &impl tokio_postgres::GenericClient) -> Result<Polling> {
-    let row = sql
-        .query_one(
-            "SELECT to_regclass('outbox.events') IS NOT NULL, \
-                    to_regprocedure('outbox.poll_status()') IS NOT NULL",
-            &[],
-        )
-        .await?;
-    let (has_events, has_polling): (bool, bool) = (row.get(0), row.get(1));
-    if !has_events {
-        return Ok(Polling::NoOutbox);
-    }
-    if !has_polling {
-        return Ok(Polling::Unsupported);
-    }
-    let enabled: bool = sql
-        .query_one("SELECT enabled FROM outbox.poll_status()", &[])
-        .await?
-        .get(0);
-    Ok(if enabled { Polling::On } else { Polling::Off })
-}
-
 /// Checks that the database can feed polling relays.
 pub async fn prepare(sql: &Client) -> Result<()> {
-    match polling(sql).await? {
+    match crate::database::probe(sql).await?.polling {
         Polling::On => Ok(()),
         Polling::NoOutbox => Err(Error::Setup(
             "outbox.events does not exist in this database: install pg_outbox (CREATE EXTENSION pg_outbox, or the SQL edition's file)".into(),
@@ -153,7 +118,7 @@ pub struct PollSource {
 impl PollSource {
     /// Starts the relay on a connection of its own.
     pub async fn start(config: &Config, metrics: Arc<Metrics>) -> Result<PollSource> {
-        let sql = slot::connect(&config.postgres).await?;
+        let sql = database::connect(&config.postgres).await?;
         let fetch = sql
             .prepare(&format!(
                 "SELECT {EVENT_COLUMNS}, \

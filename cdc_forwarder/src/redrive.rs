@@ -15,11 +15,11 @@
 use tokio_postgres::Client;
 
 use crate::config::{Config, Delivery};
+use crate::database;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS};
 use crate::producer::{Kafka, Producer, Tag};
 use crate::routing::Router;
-use crate::slot;
 
 /// Header that marks a redriven record.
 pub const REDRIVEN_HEADER: &str = "redriven";
@@ -57,7 +57,7 @@ pub async fn run(
             "--aggregate-id needs --aggregate-type".into(),
         ));
     }
-    let mut sql = slot::connect(&config.postgres).await?;
+    let mut sql = database::connect(&config.postgres).await?;
     let parked: Vec<(String, String)> = sql
         .query(
             "SELECT aggregate_type, aggregate_id FROM outbox.parked($1, $2)",

@@ -4,10 +4,10 @@
 //! the slot or the stored offsets.
 
 use crate::config::Config;
+use crate::database;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS};
 use crate::producer::Producer;
-use crate::slot;
 
 /// Header that marks a replayed record.
 pub const REPLAYED_HEADER: &str = "replayed";
@@ -29,7 +29,7 @@ pub async fn run(
     if selection.from_seq < 1 {
         return Err(Error::Config("--from-seq must be 1 or more".into()));
     }
-    let client = slot::connect(&config.postgres).await?;
+    let client = database::connect(&config.postgres).await?;
     let rows = client
         .query(
             &format!(

@@ -1,125 +1,12 @@
-//! The PostgreSQL side of the stream: the publication on the events table and
-//! the logical replication slot, created when missing.
+//! The logical replication slot: whether it exists or was invalidated, its
+//! creation (a failover slot on 17 and later), its confirmed position and
+//! the WAL it holds back, and the retention settings that bound that WAL.
 
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
-use crate::config::{Config, PgTarget, SslMode};
-use crate::error::{Error, Result};
-use crate::horizon::{Mark, ORIGIN_SQL};
+use crate::config::Config;
+use crate::error::Result;
 use crate::lsn::Lsn;
-
-/// Opens an ordinary SQL connection; the connection task runs in the background.
-pub async fn connect(target: &PgTarget) -> Result<Client> {
-    let client = if target.tls().mode == SslMode::Disable {
-        let (client, connection) = target.sql_config().connect(NoTls).await?;
-        tokio::spawn(watch_connection(connection));
-        client
-    } else {
-        let tls = crate::tls::sql_connector(target.tls())?;
-        let (client, connection) = target.sql_config().connect(tls).await?;
-        tokio::spawn(watch_connection(connection));
-        client
-    };
-    // Timestamps in the same text form as the replication stream's.
-    client
-        .batch_execute("SET TimeZone = 'UTC'; SET DateStyle = 'ISO'")
-        .await?;
-    Ok(client)
-}
-
-/// The primary among the hosts of a multi-host URL: the first that answers
-/// and is not in recovery. One host is taken as it is. After a promotion the
-/// next session finds the new primary this way, for the SQL and the
-/// replication connection alike.
-pub async fn primary(target: &PgTarget) -> Result<PgTarget> {
-    let hosts = target.per_host();
-    if hosts.len() == 1 {
-        return Ok(target.clone());
-    }
-    let mut tried = Vec::new();
-    for host in hosts {
-        let answer = tokio::time::timeout(PRIMARY_PROBE_TIMEOUT, async {
-            let client = connect(&host).await?;
-            let row = client.query_one("SELECT pg_is_in_recovery()", &[]).await?;
-            Ok::<bool, Error>(row.get(0))
-        })
-        .await;
-        let name = host.redacted();
-        match answer {
-            Ok(Ok(false)) => return Ok(host),
-            Ok(Ok(true)) => tried.push(format!("{name} is a standby")),
-            Ok(Err(e)) => tried.push(format!("{name}: {e}")),
-            Err(_) => tried.push(format!(
-                "{name}: no answer within {PRIMARY_PROBE_TIMEOUT:?}"
-            )),
-        }
-    }
-    Err(Error::NoPrimary(tried.join("; ")))
-}
-
-/// How long a host of a multi-host URL may take to say whether it is the primary.
-const PRIMARY_PROBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
-async fn watch_connection<F>(connection: F)
-where
-    F: std::future::Future<Output = std::result::Result<(), tokio_postgres::Error>>,
-{
-    if let Err(error) = connection.await {
-        tracing::debug!(error = %error, "sql connection closed");
-    }
-}
-
-/// Checks that the database can feed the forwarder and creates the
-/// publication when asked to. The slot is created by the replication
-/// session, with the snapshot the first-start catch-up reads.
-pub async fn prepare(client: &Client, config: &Config) -> Result<()> {
-    let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
-    if wal_level != "logical" {
-        return Err(Error::Setup(format!(
-            "wal_level is {wal_level:?}; set wal_level = logical in postgresql.conf and restart PostgreSQL"
-        )));
-    }
-    let has_table = client
-        .query_one("SELECT to_regclass('outbox.events') IS NOT NULL", &[])
-        .await?
-        .get::<_, bool>(0);
-    if !has_table {
-        return Err(Error::Setup(format!(
-            "database {:?} has no outbox.events table; run CREATE EXTENSION pg_outbox there",
-            config.postgres.dbname()
-        )));
-    }
-
-    if !publication_exists(client, &config.publication).await? {
-        if !config.create_missing {
-            return Err(Error::Setup(format!(
-                "publication {:?} does not exist; run `outbox-forwarder publication create` or allow creation",
-                config.publication
-            )));
-        }
-        // The extension's definer-rights function creates it, so the
-        // forwarder's role needs no ownership of the events table.
-        client
-            .execute(
-                "SELECT outbox.ensure_publication($1)",
-                &[&config.publication],
-            )
-            .await?;
-        tracing::info!(publication = %config.publication, "created publication");
-    }
-
-    Ok(())
-}
-
-pub async fn publication_exists(client: &Client, name: &str) -> Result<bool> {
-    let row = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1)",
-            &[&name],
-        )
-        .await?;
-    Ok(row.get(0))
-}
 
 pub async fn slot_exists(client: &Client, name: &str) -> Result<bool> {
     let row = client
@@ -143,29 +30,6 @@ pub async fn invalidation(client: &Client, name: &str) -> Result<Option<String>>
         )
         .await?;
     Ok(row.and_then(|r| r.get(0)))
-}
-
-/// A snapshot and the WAL insert position read after it (see
-/// [`crate::horizon`]).
-pub async fn mark(client: &Client) -> Result<Mark> {
-    let row = client
-        .query_one(
-            &format!(
-                "SELECT pg_current_snapshot()::text, pg_current_wal_insert_lsn()::text, {ORIGIN_SQL}"
-            ),
-            &[],
-        )
-        .await?;
-    let snapshot: String = row.get(0);
-    let lsn: String = row.get(1);
-    Ok(Mark {
-        snapshot: snapshot.parse().map_err(Error::Bug)?,
-        lsn: lsn
-            .parse()
-            .map_err(|_| Error::Bug(format!("not an LSN: {lsn}")))?,
-        exact: false,
-        origin: row.get(2),
-    })
 }
 
 /// The slot's `confirmed_flush_lsn`, if the slot exists.
@@ -213,51 +77,6 @@ pub async fn advance(client: &Client, slot: &str, lsn: Lsn) -> Result<()> {
     }
 }
 
-/// Whether this slot's first-start catch-up has completed (recorded by the
-/// forwarder in `outbox.relay_progress`).
-pub async fn caught_up(client: &Client, slot: &str) -> Result<bool> {
-    let row = client
-        .query_one(
-            "SELECT EXISTS (SELECT 1 FROM outbox.relay_progress WHERE slot_name = $1 AND caught_up_at IS NOT NULL)",
-            &[&slot],
-        )
-        .await?;
-    Ok(row.get(0))
-}
-
-/// Records the confirmed position, and with `caught_up` that the catch-up is done.
-pub async fn record_progress(client: &Client, slot: &str, lsn: Lsn, caught_up: bool) -> Result<()> {
-    client
-        .execute(
-            "SELECT outbox.record_relay_progress($1, $2::text::pg_lsn, $3)",
-            &[&slot, &lsn.to_string(), &caught_up],
-        )
-        .await?;
-    Ok(())
-}
-
-/// Takes the session lock that one instance holds while it creates the slot
-/// and catches up; false when another instance holds it.
-pub async fn try_lock_catch_up(client: &Client, slot: &str) -> Result<bool> {
-    let row = client
-        .query_one(
-            "SELECT pg_try_advisory_lock(hashtext('pg_outbox.catch_up.' || $1))",
-            &[&slot],
-        )
-        .await?;
-    Ok(row.get(0))
-}
-
-pub async fn unlock_catch_up(client: &Client, slot: &str) -> Result<()> {
-    client
-        .execute(
-            "SELECT pg_advisory_unlock(hashtext('pg_outbox.catch_up.' || $1))",
-            &[&slot],
-        )
-        .await?;
-    Ok(())
-}
-
 /// Drops the slot (it must be inactive) and forgets its catch-up.
 pub async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
     client
@@ -266,29 +85,7 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
             &[&slot],
         )
         .await?;
-    forget(client, slot).await
-}
-
-/// The last safe snapshot recorded for the slot after a finished catch-up
-/// (see `outbox.record_relay_progress`): every transaction it shows is in
-/// Kafka.
-pub async fn safe_snapshot(client: &Client, slot: &str) -> Result<Option<String>> {
-    let row = client
-        .query_opt(
-            "SELECT safe_snapshot::text FROM outbox.relay_progress \
-              WHERE slot_name = $1 AND caught_up_at IS NOT NULL",
-            &[&slot],
-        )
-        .await?;
-    Ok(row.and_then(|r| r.get(0)))
-}
-
-/// Forgets what was recorded for the slot: its catch-up counts as undone.
-pub async fn forget(client: &Client, slot: &str) -> Result<()> {
-    client
-        .execute("SELECT outbox.forget_relay($1)", &[&slot])
-        .await?;
-    Ok(())
+    crate::progress::forget(client, slot).await
 }
 
 /// The slot's lag, retained WAL and `wal_status`; `None` without the slot.
@@ -344,13 +141,6 @@ pub async fn wants_failover(client: &Client, config: &Config) -> Result<bool> {
         )
         .await?;
     Ok(row.get(0))
-}
-
-pub async fn drop_publication(client: &Client, name: &str) -> Result<()> {
-    client
-        .execute("SELECT outbox.drop_publication($1)", &[&name])
-        .await?;
-    Ok(())
 }
 
 /// What decides whether the server keeps the slot's WAL: its

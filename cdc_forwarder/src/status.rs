@@ -3,6 +3,7 @@
 use serde_json::{json, Value};
 
 use crate::config::{Config, Delivery, SourceKind};
+use crate::database;
 use crate::error::Result;
 use crate::offsets::OffsetStore;
 use crate::slot;
@@ -63,7 +64,7 @@ pub struct Status {
 }
 
 pub async fn collect(config: &Config) -> Result<Status> {
-    let client = slot::connect(&config.postgres).await?;
+    let client = database::connect(&config.postgres).await?;
     let rows = client
         .query(
             "SELECT s.slot_name::text, s.active, s.caught_up, s.confirmed_lsn::text, s.lag_bytes, s.retained_wal_bytes, \
@@ -90,8 +91,13 @@ pub async fn collect(config: &Config) -> Result<Status> {
             synced: r.get(10),
         })
         .collect::<Vec<_>>();
-    let polling = poll_status(&client).await?;
-    let parked = parked(&client).await?;
+    let outbox = database::probe(&client).await?;
+    let polling = poll_status(&client, &outbox).await?;
+    let parked = if outbox.parking {
+        parked(&client).await?
+    } else {
+        Vec::new()
+    };
     let mut warnings = Vec::new();
     let names = slots.iter().map(|s| s.slot.as_str());
     let configured = (config.source == SourceKind::Slot).then_some(config.slot.as_str());
@@ -124,12 +130,12 @@ pub async fn collect(config: &Config) -> Result<Status> {
 
 /// The polling figures, where polling is on or events are still pending
 /// (none on an extension older than 0.5.0).
-async fn poll_status(client: &tokio_postgres::Client) -> Result<Option<PollStatus>> {
-    use crate::poll::{polling, Polling};
-    if matches!(
-        polling(client).await?,
-        Polling::NoOutbox | Polling::Unsupported
-    ) {
+async fn poll_status(
+    client: &tokio_postgres::Client,
+    outbox: &database::Outbox,
+) -> Result<Option<PollStatus>> {
+    use crate::database::Polling;
+    if matches!(outbox.polling, Polling::NoOutbox | Polling::Unsupported) {
         return Ok(None);
     }
     let row = client
@@ -150,7 +156,7 @@ async fn poll_status(client: &tokio_postgres::Client) -> Result<Option<PollStatu
     }))
 }
 
-/// The parked aggregates, oldest first (none on an extension before 0.6.0).
+/// The parked aggregates, oldest first (pg_outbox 0.6.0 and later).
 async fn parked(client: &tokio_postgres::Client) -> Result<Vec<Parked>> {
     let rows = client
         .query(
@@ -159,14 +165,7 @@ async fn parked(client: &tokio_postgres::Client) -> Result<Vec<Parked>> {
                FROM outbox.parked()",
             &[],
         )
-        .await;
-    let rows = match rows {
-        Ok(rows) => rows,
-        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_FUNCTION) => {
-            Vec::new()
-        }
-        Err(e) => return Err(e.into()),
-    };
+        .await?;
     Ok(rows
         .iter()
         .map(|r| Parked {
