@@ -152,53 +152,9 @@ pub(super) fn newest_value(
     // Dropped in the reverse order: scan, snapshot, index, heap.
     let heap = Opened::table(keyed.table, mode);
     let index = Opened::index(keyed.index, mode);
-    // SAFETY: the index is open; its pg_index row and collations are part
-    // of its relcache entry.
-    let (in_index, keys) = unsafe {
-        let form = &*(*index.relation).rd_index;
-        let key_columns = form.indkey.values.as_slice(form.indnkeyatts as usize);
-        let in_index = key_columns
-            .iter()
-            .position(|&column| column == keyed.column)
-            .map(|n| n as i32 + 1);
-        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
-        for (n, (key, value)) in keys
-            .iter_mut()
-            .zip([aggregate_type, aggregate_id])
-            .enumerate()
-        {
-            pg_sys::ScanKeyEntryInitialize(
-                key,
-                0,
-                n as pg_sys::AttrNumber + 1,
-                pg_sys::BTEqualStrategyNumber as _,
-                pg_sys::InvalidOid,
-                *(*index.relation).rd_indcollation.add(n),
-                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
-                value,
-            );
-        }
-        (in_index, keys)
-    };
+    let (in_index, keys) = aggregate_keys(&index, keyed.column, aggregate_type, aggregate_id);
     let snapshot = LatestSnapshot::take();
-    // SAFETY: both relations are open and the snapshot registered; the
-    // scan keys are copied by index_rescan.
-    let scan = unsafe {
-        let scan = IndexScan(pg_sys::index_beginscan(
-            heap.relation,
-            index.relation,
-            snapshot.0,
-            // PostgreSQL 18 counts index searches for EXPLAIN here; none asked.
-            #[cfg(feature = "pg18")]
-            std::ptr::null_mut(),
-            2,
-            0,
-        ));
-        (*scan.0).xs_want_itup = in_index.is_some();
-        let mut keys = keys;
-        pg_sys::index_rescan(scan.0, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
-        scan
-    };
+    let scan = backward_scan(&heap, &index, &snapshot, keys, in_index.is_some());
     let mut vm = VisibilityMapPin(pg_sys::InvalidBuffer as _);
     let mut slot: Option<Slot> = None;
     loop {
@@ -238,6 +194,74 @@ pub(super) fn newest_value(
                     as i64
             });
         }
+    }
+}
+
+/// The scan keys that select one aggregate's entries of `index`
+/// (aggregate_type, aggregate_id), and the position of `column` among the
+/// index's key columns, if the index holds it.
+fn aggregate_keys(
+    index: &Opened,
+    column: pg_sys::AttrNumber,
+    aggregate_type: Datum,
+    aggregate_id: Datum,
+) -> (Option<i32>, [pg_sys::ScanKeyData; 2]) {
+    // SAFETY: the index is open; its pg_index row and collations are part
+    // of its relcache entry.
+    unsafe {
+        let form = &*(*index.relation).rd_index;
+        let key_columns = form.indkey.values.as_slice(form.indnkeyatts as usize);
+        let in_index = key_columns
+            .iter()
+            .position(|&key_column| key_column == column)
+            .map(|n| n as i32 + 1);
+        let mut keys: [pg_sys::ScanKeyData; 2] = std::mem::zeroed();
+        for (n, (key, value)) in keys
+            .iter_mut()
+            .zip([aggregate_type, aggregate_id])
+            .enumerate()
+        {
+            pg_sys::ScanKeyEntryInitialize(
+                key,
+                0,
+                n as pg_sys::AttrNumber + 1,
+                pg_sys::BTEqualStrategyNumber as _,
+                pg_sys::InvalidOid,
+                *(*index.relation).rd_indcollation.add(n),
+                pg_sys::Oid::from(pg_sys::F_TEXTEQ),
+                value,
+            );
+        }
+        (in_index, keys)
+    }
+}
+
+/// An index scan of `heap` through `index` under `snapshot`, positioned by
+/// `keys`, to be read newest first; with `want_itup` it returns the index
+/// entries themselves too.
+fn backward_scan(
+    heap: &Opened,
+    index: &Opened,
+    snapshot: &LatestSnapshot,
+    mut keys: [pg_sys::ScanKeyData; 2],
+    want_itup: bool,
+) -> IndexScan {
+    // SAFETY: both relations are open and the snapshot registered; the
+    // scan keys are copied by index_rescan.
+    unsafe {
+        let scan = IndexScan(pg_sys::index_beginscan(
+            heap.relation,
+            index.relation,
+            snapshot.0,
+            // PostgreSQL 18 counts index searches for EXPLAIN here; none asked.
+            #[cfg(feature = "pg18")]
+            std::ptr::null_mut(),
+            2,
+            0,
+        ));
+        (*scan.0).xs_want_itup = want_itup;
+        pg_sys::index_rescan(scan.0, keys.as_mut_ptr(), 2, std::ptr::null_mut(), 0);
+        scan
     }
 }
 
