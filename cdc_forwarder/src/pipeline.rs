@@ -171,8 +171,6 @@ async fn session(
     let sql = database::connect(&config.postgres).await?;
     publication::prepare(&sql, config).await?;
     faults::check("producer_init");
-    let out = publisher(config, router, refused, metrics).await?;
-    out.kafka.connect().await;
     let session = Session {
         config,
         sql,
@@ -180,6 +178,8 @@ async fn session(
     };
     match config.delivery {
         Delivery::AtLeastOnce => {
+            let producer = Producer::idempotent(config)?;
+            let out = publisher(producer, config, router, refused, metrics).await?;
             let sink = AtLeastOnce::new(
                 out,
                 config.max_in_flight_events,
@@ -189,6 +189,8 @@ async fn session(
             session.serve(sink, shutdown).await
         }
         Delivery::ExactlyOnce => {
+            let producer = Producer::transactional(config, &config.transactional_id())?;
+            let out = publisher(producer, config, router, refused, metrics).await?;
             let offsets = OffsetStore::of(config);
             let batching = Batching {
                 max_events: config.batch_max_events,
@@ -209,16 +211,18 @@ struct Refused<'a> {
     suspects: &'a HashSet<String>,
 }
 
-/// The session's producer behind routing and dead letters, which park
-/// their aggregates unless the operator chose otherwise.
+/// The session's producer, connected, behind routing and dead letters,
+/// which park their aggregates unless the operator chose otherwise.
 async fn publisher(
+    producer: Producer,
     config: &Config,
     router: &Arc<Router>,
     refused: Refused<'_>,
     metrics: &Arc<Metrics>,
 ) -> Result<Publisher<Producer>> {
+    producer.connect().await;
     let out = Publisher::new(
-        Producer::new(config)?,
+        producer,
         router.clone(),
         config.dead_letter_topic.clone(),
         refused.poisoned.clone(),
@@ -243,7 +247,8 @@ async fn poll_session(
     let sql = database::connect(&config.postgres).await?;
     poll::prepare(&sql).await?;
     faults::check("producer_init");
-    let out = publisher(config, router, refused, metrics).await?;
+    let producer = Producer::idempotent(config)?;
+    let out = publisher(producer, config, router, refused, metrics).await?;
     let mut sink = AtLeastOnce::new(
         out,
         config.max_in_flight_events,

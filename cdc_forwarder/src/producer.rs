@@ -48,7 +48,7 @@ use rdkafka::producer::{
 use rdkafka::types::RDKafkaRespErr;
 use tokio::sync::mpsc;
 
-use crate::config::{Config, Delivery};
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
 use crate::routing::{header, Route};
@@ -129,26 +129,37 @@ fn refusal(error: &KafkaError, message: &BorrowedMessage<'_>) -> Error {
 }
 
 impl Producer {
-    pub fn new(config: &Config) -> Result<Self> {
-        let client = settings(config);
+    /// An idempotent producer: at least once, a retried send never
+    /// duplicates or reorders.
+    pub fn idempotent(config: &Config) -> Result<Self> {
+        Self::of_clients(vec![settings(config)])
+    }
+
+    /// Two transactional producers taking turns, under `transactional_id`
+    /// and `<transactional_id>.1` (see [`Kafka::commit_transaction`]).
+    pub fn transactional(config: &Config, transactional_id: &str) -> Result<Self> {
+        let mut client = settings(config);
+        client.set(
+            "transaction.timeout.ms",
+            config.transaction_timeout.as_millis().to_string(),
+        );
+        let clients = [transactional_id.to_owned(), format!("{transactional_id}.1")]
+            .into_iter()
+            .map(|id| client.clone().set("transactional.id", id).clone())
+            .collect();
+        Self::of_clients(clients)
+    }
+
+    fn of_clients(clients: Vec<ClientConfig>) -> Result<Self> {
         let (sender, reports) = mpsc::unbounded_channel();
-        let reporter = || Reporter {
-            reports: sender.clone(),
-        };
-        let producers = if config.delivery == Delivery::ExactlyOnce {
-            let id = config.transactional_id();
-            [id.clone(), format!("{id}.1")]
-                .into_iter()
-                .map(|id| {
-                    client
-                        .clone()
-                        .set("transactional.id", id)
-                        .create_with_context(reporter())
+        let producers = clients
+            .iter()
+            .map(|client| {
+                client.create_with_context(Reporter {
+                    reports: sender.clone(),
                 })
-                .collect::<KafkaResult<_>>()?
-        } else {
-            vec![client.create_with_context(reporter())?]
-        };
+            })
+            .collect::<KafkaResult<_>>()?;
         Ok(Producer {
             producers,
             active: AtomicUsize::new(0),
@@ -443,12 +454,6 @@ fn settings(config: &Config) -> ClientConfig {
         if client.get(key).is_none() {
             client.set(key, value);
         }
-    }
-    if config.delivery == Delivery::ExactlyOnce {
-        client.set(
-            "transaction.timeout.ms",
-            config.transaction_timeout.as_millis().to_string(),
-        );
     }
     client
 }

@@ -14,7 +14,7 @@
 
 use tokio_postgres::Client;
 
-use crate::config::{Config, Delivery};
+use crate::config::Config;
 use crate::database;
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS};
@@ -72,11 +72,8 @@ pub async fn run(
         return Ok(outcomes);
     }
     // A transactional id of its own: the running forwarder's is untouched.
-    let mut transactional = config.clone();
-    transactional.delivery = Delivery::ExactlyOnce;
-    transactional.transactional_id_override =
-        Some(format!("{}-redrive", config.transactional_id()));
-    let mut producer = Producer::new(&transactional)?;
+    let redrive_id = format!("{}-redrive", config.transactional_id());
+    let mut producer = Producer::transactional(config, &redrive_id)?;
     producer.init_transactions().await?;
     let router = config.router();
     // Tags run on across aggregates: a late report of an aborted one is not

@@ -47,9 +47,7 @@ pub async fn run(
     progress.set_length(rows.len() as u64);
     // An ordinary idempotent producer: a replay is not part of the stream's
     // exactly-once transactions.
-    let mut plain = config.clone();
-    plain.delivery = crate::config::Delivery::AtLeastOnce;
-    let mut producer = Producer::new(&plain)?;
+    let mut producer = Producer::idempotent(config)?;
     let router = config.router();
     let mut sent = 0;
     for row in rows {
