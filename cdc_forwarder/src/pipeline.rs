@@ -474,7 +474,7 @@ impl Session<'_> {
             )
             .await?;
         let (exported, origin): (String, String) = (row.get(0), row.get(1));
-        let horizon = sink.delivered().filter(|h| recorded_here(h, &origin));
+        let horizon = sink.horizon_in_kafka().filter(|h| recorded_here(h, &origin));
         let base = horizon.as_ref().map(|h| h.base.to_string());
         let query = catch_up_query(polling_enabled(&tx).await?);
         let portal = tx.bind(&query, &[&base, &safe]).await?;

@@ -263,7 +263,7 @@ impl Producer {
     /// `acknowledged` for each acknowledgement; the first refusal is the
     /// error. Reports of other records (left from an aborted batch) are
     /// passed over.
-    pub async fn delivered(
+    pub async fn acknowledged(
         &mut self,
         tags: std::ops::Range<Tag>,
         mut acknowledged: impl FnMut(),

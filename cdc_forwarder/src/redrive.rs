@@ -179,5 +179,5 @@ async fn publish(
         Kafka::send(producer, event, &route, *next_tag).await?;
         *next_tag += 1;
     }
-    producer.delivered(first..*next_tag, || ()).await
+    producer.acknowledged(first..*next_tag, || ()).await
 }

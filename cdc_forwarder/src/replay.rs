@@ -61,6 +61,6 @@ pub async fn run(
         producer.send(&event, &route, sent).await?;
         sent += 1;
     }
-    producer.delivered(0..sent, || progress.inc(1)).await?;
+    producer.acknowledged(0..sent, || progress.inc(1)).await?;
     Ok(sent as u64)
 }

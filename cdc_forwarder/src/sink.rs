@@ -82,7 +82,7 @@ pub trait Sink {
     /// [`Horizon`] (exactly-once).
     fn mark(&mut self, _mark: Mark) {}
     /// The transactions Kafka is known to hold, where the sink keeps that.
-    fn delivered(&self) -> Option<Horizon> {
+    fn horizon_in_kafka(&self) -> Option<Horizon> {
         None
     }
 

@@ -453,7 +453,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         self.tracker.mark(mark);
     }
 
-    fn delivered(&self) -> Option<Horizon> {
+    fn horizon_in_kafka(&self) -> Option<Horizon> {
         self.tracker.horizon()
     }
 
