@@ -152,7 +152,9 @@ fn backoff(failures: u32, max: Duration) -> Duration {
 }
 
 /// One connection to PostgreSQL and Kafka, from start to the first error or
-/// to shutdown, with the sink the delivery mode asks for.
+/// to shutdown: the source the configuration names, into the sink its
+/// delivery mode asks for (polling is at least once; the configuration
+/// refuses it with exactly-once).
 async fn session(
     config: &Config,
     router: &Arc<Router>,
@@ -165,42 +167,37 @@ async fn session(
         postgres: database::primary(&config.postgres).await?,
         ..config.clone()
     };
-    if config.source == SourceKind::Poll {
-        return poll_session(config, router, refused, metrics, shutdown).await;
-    }
     let sql = database::connect(&config.postgres).await?;
-    publication::prepare(&sql, config).await?;
+    match config.source {
+        SourceKind::Slot => publication::prepare(&sql, config).await?,
+        SourceKind::Poll => poll::prepare(&sql).await?,
+    }
     faults::check("producer_init");
-    let session = Session {
-        config,
-        sql,
-        metrics: metrics.clone(),
+    let producer = match config.delivery {
+        Delivery::ExactlyOnce => Producer::transactional(config, &config.transactional_id())?,
+        Delivery::AtLeastOnce => Producer::idempotent(config)?,
     };
-    match config.delivery {
-        Delivery::AtLeastOnce => {
-            let producer = Producer::idempotent(config)?;
-            let out = publisher(producer, config, router, refused, metrics).await?;
-            let sink = AtLeastOnce::new(
-                out,
-                config.max_in_flight_events,
-                config.max_in_flight_bytes,
-                metrics.clone(),
-            );
-            session.serve(sink, shutdown).await
-        }
-        Delivery::ExactlyOnce => {
-            let producer = Producer::transactional(config, &config.transactional_id())?;
-            let out = publisher(producer, config, router, refused, metrics).await?;
-            let offsets = OffsetStore::of(config);
-            let batching = Batching {
-                max_events: config.batch_max_events,
-                linger: config.batch_linger,
-                max_in_flight_events: config.max_in_flight_events,
-                max_in_flight_bytes: config.max_in_flight_bytes,
-            };
-            let sink = Transactional::new(out, offsets, batching, metrics.clone());
-            session.serve(sink, shutdown).await
-        }
+    let out = publisher(producer, config, router, refused, metrics).await?;
+    if config.delivery == Delivery::ExactlyOnce {
+        let offsets = OffsetStore::of(config);
+        let batching = Batching {
+            max_events: config.batch_max_events,
+            linger: config.batch_linger,
+            max_in_flight_events: config.max_in_flight_events,
+            max_in_flight_bytes: config.max_in_flight_bytes,
+        };
+        let sink = Transactional::new(out, offsets, batching, metrics.clone());
+        return Session::new(config, sql, metrics).serve(sink, shutdown).await;
+    }
+    let sink = AtLeastOnce::new(
+        out,
+        config.max_in_flight_events,
+        config.max_in_flight_bytes,
+        metrics.clone(),
+    );
+    match config.source {
+        SourceKind::Slot => Session::new(config, sql, metrics).serve(sink, shutdown).await,
+        SourceKind::Poll => poll_session(config, sql, sink, metrics, shutdown).await,
     }
 }
 
@@ -239,22 +236,11 @@ async fn publisher(
 /// until shutdown or an error; on shutdown the relay gives its leases back.
 async fn poll_session(
     config: &Config,
-    router: &Arc<Router>,
-    refused: Refused<'_>,
+    sql: Client,
+    mut sink: AtLeastOnce<Producer>,
     metrics: &Arc<Metrics>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<()> {
-    let sql = database::connect(&config.postgres).await?;
-    poll::prepare(&sql).await?;
-    faults::check("producer_init");
-    let producer = Producer::idempotent(config)?;
-    let out = publisher(producer, config, router, refused, metrics).await?;
-    let mut sink = AtLeastOnce::new(
-        out,
-        config.max_in_flight_events,
-        config.max_in_flight_bytes,
-        metrics.clone(),
-    );
     let mut source = PollSource::start(config, metrics.clone()).await?;
     metrics.set_state(State::Streaming);
     metrics.health.session_started(0);
@@ -280,7 +266,15 @@ struct Session<'a> {
     metrics: Arc<Metrics>,
 }
 
-impl Session<'_> {
+impl<'a> Session<'a> {
+    fn new(config: &'a Config, sql: Client, metrics: &Arc<Metrics>) -> Self {
+        Session {
+            config,
+            sql,
+            metrics: metrics.clone(),
+        }
+    }
+
     /// Streams from the slot, after the first-start catch-up if it is due,
     /// until shutdown or an error.
     async fn serve<S: Sink>(self, mut sink: S, shutdown: &mut watch::Receiver<bool>) -> Result<()> {
