@@ -11,7 +11,10 @@ pub enum Error {
     #[error("configuration: {0}")]
     Config(String),
 
-    /// PostgreSQL is reachable but not set up for the forwarder.
+    /// The operator must act: PostgreSQL is reachable but lacks what the
+    /// forwarder needs (wal_level, the outbox, polling, a slot it may not
+    /// create), a `check` failed, or redrive left an event still refused.
+    /// Never retried; exit code 3; the message says what to do.
     #[error("{0}")]
     Setup(String),
 
