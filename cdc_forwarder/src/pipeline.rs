@@ -187,7 +187,9 @@ async fn session(
             max_in_flight_bytes: config.max_in_flight_bytes,
         };
         let sink = Transactional::new(out, offsets, batching, metrics.clone());
-        return Session::new(config, sql, metrics).serve(sink, shutdown).await;
+        return Session::new(config, sql, metrics)
+            .serve(sink, shutdown)
+            .await;
     }
     let sink = AtLeastOnce::new(
         out,
@@ -196,7 +198,11 @@ async fn session(
         metrics.clone(),
     );
     match config.source {
-        SourceKind::Slot => Session::new(config, sql, metrics).serve(sink, shutdown).await,
+        SourceKind::Slot => {
+            Session::new(config, sql, metrics)
+                .serve(sink, shutdown)
+                .await
+        }
         SourceKind::Poll => poll_session(config, sql, sink, metrics, shutdown).await,
     }
 }
@@ -468,7 +474,9 @@ impl<'a> Session<'a> {
             )
             .await?;
         let (exported, origin): (String, String) = (row.get(0), row.get(1));
-        let horizon = sink.horizon_in_kafka().filter(|h| recorded_here(h, &origin));
+        let horizon = sink
+            .horizon_in_kafka()
+            .filter(|h| recorded_here(h, &origin));
         let base = horizon.as_ref().map(|h| h.base.to_string());
         let query = catch_up_query(polling_enabled(&tx).await?);
         let portal = tx.bind(&query, &[&base, &safe]).await?;

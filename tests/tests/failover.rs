@@ -50,6 +50,7 @@ async fn a_primary_failover_under_exactly_once_loses_and_duplicates_nothing_wher
         .await;
     pair.kill_primary();
     let died = Instant::now();
+    let died_at = std::time::SystemTime::now();
     pair.promote();
     let marker: String = {
         let mut promoted = None;
@@ -104,12 +105,69 @@ async fn a_primary_failover_under_exactly_once_loses_and_duplicates_nothing_wher
         // the old timeline, so it does not count). Nothing is lost and the
         // first arrivals keep aggregate order.
         assert_eq!((v.lost, v.order_violations), (0, 0), "{v:?}");
+        let bounds = repeats_and_phantoms(&db, &reader, died_at).await;
         eprintln!(
             "PostgreSQL {}: no failover slots; {} events delivered again by the catch-up on the new primary, {} delivered that the new primary never had",
             version / 10000,
             v.duplicates,
             v.phantoms
         );
+        // What repeats is what the old primary committed: the new primary's
+        // own events arrive once.
+        assert_eq!(bounds.repeated_after_death, 0, "{bounds:?}");
+        // A phantom is an event the old primary published and never
+        // replicated: its place in the aggregate is taken by an event of the
+        // new primary, never by one the standby had.
+        assert_eq!(bounds.phantoms_shadowing_replicated, 0, "{bounds:?}");
     }
     forwarder.kill9().await;
+}
+
+/// The failover's repeats and phantoms, against the bounds the docs give
+/// for servers without failover slots.
+#[derive(Debug)]
+struct Bounds {
+    /// Events created on the new primary that arrived more than once.
+    repeated_after_death: usize,
+    /// Records of no committed event at the place (aggregate, sequence) of
+    /// an event created before the primary died.
+    phantoms_shadowing_replicated: usize,
+}
+
+async fn repeats_and_phantoms(
+    db: &TestDb,
+    reader: &Reader,
+    died_at: std::time::SystemTime,
+) -> Bounds {
+    use std::collections::HashMap;
+    let rows = db
+        .admin()
+        .await
+        .query(
+            "SELECT event_id::text, aggregate_id, aggregate_seq, created_at < $1 FROM outbox.events",
+            &[&died_at],
+        )
+        .await
+        .expect("read the new primary's events");
+    let before_death: HashMap<String, bool> = rows.iter().map(|r| (r.get(0), r.get(3))).collect();
+    let at_place: HashMap<(String, i64), bool> = rows
+        .iter()
+        .map(|r| ((r.get(1), r.get(2)), r.get(3)))
+        .collect();
+    let mut arrivals: HashMap<&str, usize> = HashMap::new();
+    for record in &reader.records {
+        *arrivals.entry(record.event_id()).or_default() += 1;
+    }
+    Bounds {
+        repeated_after_death: arrivals
+            .iter()
+            .filter(|(id, n)| **n > 1 && before_death.get(**id) == Some(&false))
+            .count(),
+        phantoms_shadowing_replicated: reader
+            .records
+            .iter()
+            .filter(|r| !before_death.contains_key(r.event_id()))
+            .filter(|r| at_place.get(&(r.key.clone(), r.seq())) == Some(&true))
+            .count(),
+    }
 }
