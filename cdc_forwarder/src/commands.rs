@@ -67,7 +67,7 @@ pub async fn slot(config: Config, action: Action) -> Result<(), Error> {
     let client = database::connect(&config.postgres).await?;
     match action {
         Action::Create => {
-            let failover = slot::wants_failover(&client, &config).await?;
+            let failover = slot::wants_failover(&client, config.failover_slot).await?;
             slot::create_slot(&client, &config.slot, failover).await?;
         }
         Action::Drop => slot::drop_slot(&client, &config.slot).await?,

@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 
 use tokio_postgres::Client;
 
-use crate::config::Config;
+use crate::config::PgTarget;
 use crate::database;
 use crate::error::{Error, Result};
 use crate::event::OutboxEvent;
@@ -40,8 +40,8 @@ pub struct Parking {
 
 impl Parking {
     /// Connects and reads which aggregates are parked.
-    pub async fn open(config: &Config) -> Result<Parking> {
-        let sql = database::connect(&config.postgres).await?;
+    pub async fn open(postgres: &PgTarget) -> Result<Parking> {
+        let sql = database::connect(postgres).await?;
         if !database::probe(&sql).await?.parking {
             return Err(Error::Setup(
                 "dead letters that keep each aggregate's order need pg_outbox 0.6.0 or later: \

@@ -233,7 +233,7 @@ async fn publisher(
     )
     .with_suspects(refused.suspects.clone());
     if config.parks_aggregates() {
-        return Ok(out.with_parking(Parking::open(config).await?));
+        return Ok(out.with_parking(Parking::open(&config.postgres).await?));
     }
     Ok(out)
 }
@@ -247,7 +247,7 @@ async fn poll_session(
     metrics: &Arc<Metrics>,
     shutdown: &mut watch::Receiver<bool>,
 ) -> Result<()> {
-    let mut source = PollSource::start(config, metrics.clone()).await?;
+    let mut source = PollSource::start(&config.postgres, &config.poll, metrics.clone()).await?;
     metrics.set_state(State::Streaming);
     metrics.health.session_started(0);
     tracing::info!(relay = %config.poll.relay, database = %config.postgres.dbname(), "polling");
@@ -433,7 +433,7 @@ impl<'a> Session<'a> {
         // crash before then redoes it (without the safe snapshot: at least
         // once repeats more, exactly-once has Kafka's horizon).
         progress::forget(&self.sql, &config.slot).await?;
-        let failover = slot::wants_failover(&self.sql, config).await?;
+        let failover = slot::wants_failover(&self.sql, config.failover_slot).await?;
         let created = stream.create_slot(&config.slot, failover).await?;
         tracing::info!(slot = %config.slot, consistent_point = %created.consistent_point, failover, "created replication slot");
         let events = self.catch_up(&created, safe.as_deref(), sink).await?;

@@ -30,7 +30,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, Statement};
 
-use crate::config::{Config, PollSettings};
+use crate::config::{PgTarget, PollSettings};
 use crate::database::{self, Polling};
 use crate::error::{Error, Result};
 use crate::event::{OutboxEvent, EVENT_COLUMNS, EVENT_COLUMN_COUNT};
@@ -117,8 +117,12 @@ pub struct PollSource {
 
 impl PollSource {
     /// Starts the relay on a connection of its own.
-    pub async fn start(config: &Config, metrics: Arc<Metrics>) -> Result<PollSource> {
-        let sql = database::connect(&config.postgres).await?;
+    pub async fn start(
+        postgres: &PgTarget,
+        settings: &PollSettings,
+        metrics: Arc<Metrics>,
+    ) -> Result<PollSource> {
+        let sql = database::connect(postgres).await?;
         let fetch = sql
             .prepare(&format!(
                 "SELECT {EVENT_COLUMNS}, \
@@ -136,7 +140,7 @@ impl PollSource {
         let relay = Relay {
             sql,
             fetch,
-            settings: config.poll.clone(),
+            settings: settings.clone(),
             metrics,
             clock: clock.clone(),
             held: HashSet::new(),
@@ -154,14 +158,14 @@ impl PollSource {
                 let _gone = errors.send(Err(error)).await;
             }
         });
-        tracing::info!(relay = %config.poll.relay, "polling relay started");
+        tracing::info!(relay = %settings.relay, "polling relay started");
         Ok(PollSource {
             batches,
             queue: VecDeque::new(),
             confirmed,
             stop,
             clock,
-            relay: config.poll.relay.clone(),
+            relay: settings.relay.clone(),
             task,
         })
     }

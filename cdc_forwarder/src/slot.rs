@@ -4,7 +4,6 @@
 
 use tokio_postgres::Client;
 
-use crate::config::Config;
 use crate::error::Result;
 use crate::lsn::Lsn;
 
@@ -128,10 +127,10 @@ pub async fn create_slot(client: &Client, slot: &str, failover: bool) -> Result<
     Ok(())
 }
 
-/// Whether the slot is to be a failover slot: asked for, and the server
+/// Whether the slot is to be a failover slot: `asked` for, and the server
 /// (PostgreSQL 17 and later) has them.
-pub async fn wants_failover(client: &Client, config: &Config) -> Result<bool> {
-    if !config.failover_slot {
+pub async fn wants_failover(client: &Client, asked: bool) -> Result<bool> {
+    if !asked {
         return Ok(false);
     }
     let row = client
