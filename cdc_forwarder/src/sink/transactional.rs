@@ -78,6 +78,42 @@ enum Item {
     Commit(TxnId, Lsn, Option<u32>),
 }
 
+/// What arrived while it could not be sent, in arrival order, with the
+/// payload bytes and the commits it holds.
+#[derive(Default)]
+struct Waiting {
+    items: VecDeque<Item>,
+    bytes: usize,
+    commits: usize,
+}
+
+impl Waiting {
+    fn push(&mut self, item: Item) {
+        match &item {
+            Item::Event(_, event) => self.bytes += event.size(),
+            Item::Commit(..) => self.commits += 1,
+        }
+        self.items.push_back(item);
+    }
+
+    fn pop(&mut self) -> Option<Item> {
+        let item = self.items.pop_front()?;
+        match &item {
+            Item::Event(_, event) => self.bytes -= event.size(),
+            Item::Commit(..) => self.commits -= 1,
+        }
+        Some(item)
+    }
+
+    fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+}
+
 /// What [`Sink::wait`] found.
 pub enum Step {
     Reported,
@@ -104,9 +140,7 @@ pub struct Transactional<K: Kafka, O> {
     batch: Option<Batch>,
     committing: Option<Committing>,
     /// Empty whenever events may be sent (see [`Transactional::may_send`]).
-    buffer: VecDeque<Item>,
-    buffered_bytes: usize,
-    buffered_commits: usize,
+    waiting: Waiting,
     in_flight: InFlight,
     /// Reports that arrived, taken by the next [`Sink::apply`].
     arrived: Vec<Report>,
@@ -127,9 +161,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
             behind: false,
             batch: None,
             committing: None,
-            buffer: VecDeque::new(),
-            buffered_bytes: 0,
-            buffered_commits: 0,
+            waiting: Waiting::default(),
             in_flight: InFlight::default(),
             arrived: Vec::new(),
         }
@@ -182,23 +214,19 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
 
     /// Whether what arrives now waits in the buffer, behind what already does.
     fn buffering(&self) -> bool {
-        !self.buffer.is_empty() || !self.may_send()
+        !self.waiting.is_empty() || !self.may_send()
     }
 
     /// Sends what was buffered, as far as it may go now, starting a commit
     /// at a boundary where one is due.
     async fn resume(&mut self) -> Result<()> {
         while self.may_send() {
-            let Some(item) = self.buffer.pop_front() else {
+            let Some(item) = self.waiting.pop() else {
                 break;
             };
             match item {
-                Item::Event(txn, event) => {
-                    self.buffered_bytes -= event.size();
-                    self.send(txn, event).await?;
-                }
+                Item::Event(txn, event) => self.send(txn, event).await?,
                 Item::Commit(txn, end, xid) => {
-                    self.buffered_commits -= 1;
                     self.close(txn, end, xid);
                     if self.due() {
                         self.start_commit().await?;
@@ -233,7 +261,7 @@ impl<K: Kafka, O: Offsets> Transactional<K, O> {
         self.committing.is_none()
             && batch.last_end.is_some()
             && (batch.events >= self.batching.max_events
-                || (self.buffered_commits == 0 && batch.opened.elapsed() >= self.linger()))
+                || (self.waiting.commits == 0 && batch.opened.elapsed() >= self.linger()))
     }
 
     /// How long a complete Kafka transaction waits for more: longer while
@@ -359,8 +387,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
             .current()
             .expect("an event outside a transaction");
         if self.buffering() {
-            self.buffered_bytes += event.size();
-            self.buffer.push_back(Item::Event(txn, event));
+            self.waiting.push(Item::Event(txn, event));
             return Ok(());
         }
         self.send(txn, event).await
@@ -379,8 +406,7 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         let xid = self.xid.take();
         self.behind = more;
         if self.buffering() {
-            self.buffered_commits += 1;
-            self.buffer.push_back(Item::Commit(txn, end_lsn, xid));
+            self.waiting.push(Item::Commit(txn, end_lsn, xid));
             return Ok(());
         }
         self.close(txn, end_lsn, xid);
@@ -397,8 +423,8 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
     }
 
     fn has_room(&self) -> bool {
-        self.in_flight.len() + self.buffer.len() < self.batching.max_in_flight_events
-            && self.in_flight.bytes() + self.buffered_bytes < self.batching.max_in_flight_bytes
+        self.in_flight.len() + self.waiting.len() < self.batching.max_in_flight_events
+            && self.in_flight.bytes() + self.waiting.bytes < self.batching.max_in_flight_bytes
     }
 
     fn reading(&self) -> bool {
