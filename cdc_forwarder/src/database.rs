@@ -101,7 +101,7 @@ pub async fn probe(sql: &impl GenericClient) -> Result<Outbox> {
                                WHERE d LIKE 'pg_outbox SQL edition %')),
                     to_regclass('outbox.events') IS NOT NULL,
                     to_regprocedure('outbox.poll_status()') IS NOT NULL,
-                    to_regprocedure('outbox.parked()') IS NOT NULL",
+                    to_regprocedure('outbox.parked(text, text, boolean)') IS NOT NULL",
             &[],
         )
         .await?;
