@@ -295,6 +295,12 @@ async fn polling(client: &tokio_postgres::Client, outbox: &Outbox) -> Check {
                 "off; run SELECT outbox.enable_polling(); as the outbox's owner",
             )
         }
+        Polling::Hidden => {
+            return Check::fail(
+                "polling",
+                "this login may not call outbox.poll_status(); see the privileges check",
+            )
+        }
         Polling::NoOutbox | Polling::Unsupported => {
             return Check::fail(
                 "polling",

@@ -76,6 +76,9 @@ pub enum Polling {
     NoOutbox,
     /// An outbox from before polling relays (0.5.0).
     Unsupported,
+    /// Polling relays are there, but this login may not ask whether they
+    /// are on (it lacks the relay role).
+    Hidden,
     Off,
     On,
 }
@@ -92,32 +95,41 @@ pub struct Outbox {
 }
 
 /// Asks the database what its outbox offers. The SQL edition marks its
-/// version in the schema's comment.
+/// version in the schema's comment. Read from the catalogs, so that a login
+/// without any privilege on schema outbox learns what is there too.
 pub async fn probe(sql: &impl GenericClient) -> Result<Outbox> {
     let row = sql
         .query_one(
-            "SELECT coalesce((SELECT 'pg_outbox ' || extversion FROM pg_extension WHERE extname = 'pg_outbox'),
-                             (SELECT d FROM obj_description(to_regnamespace('outbox'), 'pg_namespace') d
+            "WITH outbox AS (SELECT oid FROM pg_namespace WHERE nspname = 'outbox'),
+                  f AS (SELECT p.oid, p.proname, p.pronargs FROM pg_proc p, outbox
+                         WHERE p.pronamespace = outbox.oid)
+             SELECT coalesce((SELECT 'pg_outbox ' || extversion FROM pg_extension WHERE extname = 'pg_outbox'),
+                             (SELECT d FROM outbox, obj_description(outbox.oid, 'pg_namespace') d
                                WHERE d LIKE 'pg_outbox SQL edition %')),
-                    to_regclass('outbox.events') IS NOT NULL,
-                    to_regprocedure('outbox.poll_status()') IS NOT NULL,
-                    to_regprocedure('outbox.parked(text, text, boolean)') IS NOT NULL",
+                    EXISTS (SELECT FROM pg_class c, outbox
+                             WHERE c.relnamespace = outbox.oid AND c.relname = 'events'),
+                    (SELECT has_schema_privilege(outbox.oid, 'USAGE') AND has_function_privilege(f.oid, 'EXECUTE')
+                       FROM f, outbox WHERE f.proname = 'poll_status' AND f.pronargs = 0),
+                    EXISTS (SELECT FROM f WHERE f.proname = 'parked' AND f.pronargs = 3)",
             &[],
         )
         .await?;
-    let (has_events, has_polling): (bool, bool) = (row.get(1), row.get(2));
-    let polling = if !has_events {
-        Polling::NoOutbox
-    } else if !has_polling {
-        Polling::Unsupported
-    } else if sql
-        .query_one("SELECT enabled FROM outbox.poll_status()", &[])
-        .await?
-        .get(0)
-    {
-        Polling::On
-    } else {
-        Polling::Off
+    let has_events: bool = row.get(1);
+    let polling = match row.get::<_, Option<bool>>(2) {
+        _ if !has_events => Polling::NoOutbox,
+        None => Polling::Unsupported,
+        Some(false) => Polling::Hidden,
+        Some(true) => {
+            let enabled: bool = sql
+                .query_one("SELECT enabled FROM outbox.poll_status()", &[])
+                .await?
+                .get(0);
+            if enabled {
+                Polling::On
+            } else {
+                Polling::Off
+            }
+        }
     };
     Ok(Outbox {
         installed: row.get(0),

@@ -60,6 +60,9 @@ pub async fn prepare(sql: &Client) -> Result<()> {
         Polling::Unsupported => Err(Error::Setup(
             "this database's pg_outbox predates polling relays (0.5.0): run ALTER EXTENSION pg_outbox UPDATE, or the SQL edition's file again".into(),
         )),
+        Polling::Hidden => Err(Error::Setup(
+            "this login may not call outbox.poll_status(): grant it this database's relay role (outbox-forwarder check names it)".into(),
+        )),
         Polling::Off => Err(Error::Setup(
             "polling is off in this database: run SELECT outbox.enable_polling(); as the outbox's owner (events emitted from then on are published)".into(),
         )),

@@ -135,7 +135,10 @@ async fn poll_status(
     outbox: &database::Outbox,
 ) -> Result<Option<PollStatus>> {
     use crate::database::Polling;
-    if matches!(outbox.polling, Polling::NoOutbox | Polling::Unsupported) {
+    if matches!(
+        outbox.polling,
+        Polling::NoOutbox | Polling::Unsupported | Polling::Hidden
+    ) {
         return Ok(None);
     }
     let row = client

@@ -144,7 +144,7 @@ async fn repeats_and_phantoms(
         .admin()
         .await
         .query(
-            "SELECT event_id::text, aggregate_id, aggregate_seq, created_at < $1 FROM outbox.events",
+            "SELECT event_id::text, aggregate_id, aggregate_seq, occurred_at < $1 FROM outbox.events",
             &[&died_at],
         )
         .await
