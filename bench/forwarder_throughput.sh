@@ -125,7 +125,10 @@ for round in $(seq 1 "$ROUNDS"); do
         "${BIN[$who]}" run --postgres-url "$fwd_url" --kafka-bootstrap "$KAFKA_BOOTSTRAP" --slot "$slot" \
             --delivery "$(mode_of "$who")" --topic-template "bench-$run_id-$round-$shape-$slot.{aggregate_type}" 2>/dev/null &
         pid=$!
-        until [ "$(psql_admin -d $DB -c "SELECT count(*) FROM outbox.relay_progress WHERE slot_name = '$slot' AND caught_up_at IS NOT NULL")" = 1 ]; do sleep 0.1; done
+        until [ "$(psql_admin -d $DB -c "SELECT count(*) FROM outbox.relay_progress WHERE slot_name = '$slot' AND caught_up_at IS NOT NULL")" = 1 ]; do
+            kill -0 $pid 2>/dev/null || die "the $who forwarder ended before its slot was ready (run it by hand to see why)"
+            sleep 0.1
+        done
         kill -TERM $pid; wait $pid || true
     done
 

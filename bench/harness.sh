@@ -13,6 +13,8 @@ SQL
     if [ "${2:-}" = --create ]; then
         psql_admin -d postgres -c "CREATE DATABASE $1" >/dev/null
         psql_admin -d "$1" -c "CREATE EXTENSION pg_outbox" >/dev/null
+        # The database's own relay role, which the forwarder needs there.
+        psql_admin -d "$1" -c "GRANT $1_outbox_relay TO $FORWARDER_ROLE" >/dev/null
     fi
 }
 
