@@ -12,12 +12,15 @@
 //! standby, reconnecting, fenced), while the slot's lag is above its limit,
 //! while Kafka is unreachable (a metadata request, every second, that no
 //! broker answers within the probe timeout: a broker stopped with its
-//! sockets open answers nothing), and while the slot's lag grows with no
-//! confirm for longer than the stall limit (Kafka reachable but refusing or
-//! holding back the records, as when a topic has fewer in-sync replicas than
-//! it requires). Each condition clears by itself when what caused it does.
+//! sockets open answers nothing), and while events wait for Kafka with no
+//! acknowledgement for longer than the stall limit (Kafka reachable but
+//! refusing or holding back the records, as when a topic has fewer in-sync
+//! replicas than it requires). The stall is judged by what the forwarder
+//! holds, not by the slot's lag: a transaction still being read while Kafka
+//! acknowledges its events is no stall, and neither is an idle slot.
+//! Each condition clears by itself when what caused it does.
 
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -28,7 +31,8 @@ pub struct Limits {
     pub liveness_timeout: Duration,
     /// `/readyz` fails while the slot's lag is above this many bytes.
     pub ready_max_lag_bytes: u64,
-    /// `/readyz` fails while the lag has grown with no confirm for this long.
+    /// `/readyz` fails while events wait for Kafka with no acknowledgement
+    /// for this long.
     pub ready_max_stall: Duration,
 }
 
@@ -36,6 +40,8 @@ pub struct Limits {
 /// unreachable, and how often one is sent.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// `waiting_since` when nothing waits for Kafka.
+const NOTHING_WAITS: u64 = u64::MAX;
 
 /// The watchdog's and the probes' observations, read by the endpoints.
 pub struct Health {
@@ -43,9 +49,11 @@ pub struct Health {
     origin: Instant,
     /// Milliseconds since `origin` of the last step.
     last_step: AtomicU64,
-    /// Milliseconds since `origin` of the last confirm, and the lag then.
-    last_confirm: AtomicU64,
-    lag_at_confirm: AtomicI64,
+    /// Milliseconds since `origin` from which events waited for Kafka with
+    /// no acknowledgement ([`NOTHING_WAITS`] when none wait), and how many
+    /// holds were waiting at the last look.
+    waiting_since: AtomicU64,
+    waiting: AtomicUsize,
     /// Since when (milliseconds since `origin`) and why Kafka is unreachable.
     kafka_down: Mutex<Option<(u64, String)>>,
 }
@@ -56,8 +64,8 @@ impl Health {
             limits,
             origin: Instant::now(),
             last_step: AtomicU64::new(0),
-            last_confirm: AtomicU64::new(0),
-            lag_at_confirm: AtomicI64::new(0),
+            waiting_since: AtomicU64::new(NOTHING_WAITS),
+            waiting: AtomicUsize::new(0),
             kafka_down: Mutex::new(None),
         }
     }
@@ -75,16 +83,22 @@ impl Health {
         self.last_step.store(self.now(), Ordering::Relaxed);
     }
 
-    /// A position was confirmed to the source; `lag` is the slot's lag as
-    /// last measured.
-    pub fn confirmed(&self, lag: i64) {
-        self.last_confirm.store(self.now(), Ordering::Relaxed);
-        self.lag_at_confirm.store(lag, Ordering::Relaxed);
+    /// What the sink holds for Kafka now: `held` holds (events sent and not
+    /// acknowledged, or transactions not yet committed in Kafka). Fewer than
+    /// at the last look is Kafka's progress; the first hold after none
+    /// starts the clock.
+    pub fn waiting_for_kafka(&self, held: usize) {
+        let before = self.waiting.swap(held, Ordering::Relaxed);
+        if held == 0 {
+            self.waiting_since.store(NOTHING_WAITS, Ordering::Relaxed);
+        } else if held < before || before == 0 {
+            self.waiting_since.store(self.now(), Ordering::Relaxed);
+        }
     }
 
-    /// A new session starts: no confirm is owed for what came before it.
-    pub fn session_started(&self, lag: i64) {
-        self.confirmed(lag);
+    /// A new session starts: nothing of an earlier session waits.
+    pub fn session_started(&self) {
+        self.waiting_for_kafka(0);
     }
 
     /// The outcome of a Kafka probe sent at `asked`.
@@ -115,7 +129,8 @@ impl Health {
     }
 
     /// `Ok` while this instance forwards, else why not. `state` names what
-    /// the instance does (`None` when streaming); `lag` is the slot's lag.
+    /// the instance does (`None` when streaming); `lag` is the slot's lag
+    /// (0 for a polling relay).
     pub fn readiness(&self, state: Option<&str>, lag: i64) -> Result<(), String> {
         if let Some(state) = state {
             return Err(state.to_owned());
@@ -125,13 +140,12 @@ impl Health {
         if lag > max_lag {
             return Err(format!("lag {lag} bytes, above {max_lag}"));
         }
-        let unconfirmed = self.since(self.last_confirm.load(Ordering::Relaxed));
-        if lag > self.lag_at_confirm.load(Ordering::Relaxed)
-            && unconfirmed > self.limits.ready_max_stall
-        {
+        let since = self.waiting_since.load(Ordering::Relaxed);
+        if since != NOTHING_WAITS && self.since(since) > self.limits.ready_max_stall {
             return Err(format!(
-                "no confirm for {:.0} s while the lag grew to {lag} bytes",
-                unconfirmed.as_secs_f64()
+                "kafka acknowledged nothing for {:.0} s while {} wait",
+                self.since(since).as_secs_f64(),
+                self.waiting.load(Ordering::Relaxed)
             ));
         }
         Ok(())
@@ -216,7 +230,7 @@ mod tests {
     #[test]
     fn readiness_names_each_reason_and_clears_with_it() {
         let h = health(1000, 50);
-        h.session_started(0);
+        h.session_started();
         assert_eq!(h.readiness(Some("standby"), 0), Err("standby".into()));
         assert!(h.readiness(None, 0).is_ok());
 
@@ -234,17 +248,29 @@ mod tests {
             .expect_err("lag")
             .starts_with("lag 2000 bytes"));
 
-        // A lag that grows with no confirm, past the stall limit.
+        // Events wait with no acknowledgement, past the stall limit.
+        h.waiting_for_kafka(3);
         assert!(h.readiness(None, 500).is_ok(), "within the stall limit");
         std::thread::sleep(Duration::from_millis(80));
+        h.waiting_for_kafka(5);
         let reason = h.readiness(None, 500).expect_err("stalled");
         assert!(
-            reason.starts_with("no confirm for") && reason.ends_with("500 bytes"),
+            reason.starts_with("kafka acknowledged nothing for") && reason.ends_with("5 wait"),
             "{reason}"
         );
-        // The same lag as at the last confirm is no stall: an idle slot.
-        h.confirmed(500);
+        // An acknowledgement restarts the clock, though events still wait.
+        h.waiting_for_kafka(4);
+        assert!(h.readiness(None, 500).is_ok());
         std::thread::sleep(Duration::from_millis(80));
+        assert!(h.readiness(None, 500).is_err(), "stalled again");
+        // Nothing waiting is no stall, whatever the lag: an idle slot.
+        h.waiting_for_kafka(0);
+        std::thread::sleep(Duration::from_millis(80));
+        assert!(h.readiness(None, 500).is_ok());
+        // A new session owes nothing for the last one's holds.
+        h.waiting_for_kafka(2);
+        std::thread::sleep(Duration::from_millis(80));
+        h.session_started();
         assert!(h.readiness(None, 500).is_ok());
     }
 }

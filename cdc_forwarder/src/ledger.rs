@@ -130,6 +130,11 @@ impl Ledger {
         self.entries.is_empty() && self.reading.is_none()
     }
 
+    /// Holds over all transactions: what Kafka does not durably have yet.
+    pub fn holds(&self) -> usize {
+        self.holds
+    }
+
     pub fn confirmed(&self) -> Lsn {
         self.confirmed
     }

@@ -121,8 +121,8 @@ pub struct Options {
     /// /readyz fails while the slot's lag is above this many bytes.
     #[arg(long, env = "OUTBOX_READY_MAX_LAG_BYTES", default_value_t = 100 << 20)]
     pub ready_max_lag_bytes: u64,
-    /// /readyz fails while the slot's lag has grown with no confirm for this
-    /// many milliseconds (Kafka reachable but not acknowledging).
+    /// /readyz fails while events wait for Kafka with no acknowledgement for
+    /// this many milliseconds (Kafka reachable but holding them back).
     #[arg(long, env = "OUTBOX_READY_MAX_STALL_MS", default_value_t = 30_000)]
     pub ready_max_stall_ms: u64,
     /// /healthz fails when the forwarding loop made no step for this many

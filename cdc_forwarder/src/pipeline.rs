@@ -249,7 +249,7 @@ async fn poll_session(
 ) -> Result<()> {
     let mut source = PollSource::start(&config.postgres, &config.poll, metrics.clone()).await?;
     metrics.set_state(State::Streaming);
-    metrics.health.session_started(0);
+    metrics.health.session_started();
     tracing::info!(relay = %config.poll.relay, database = %config.postgres.dbname(), "polling");
     let outcome = forward(&mut source, &mut sink, shutdown, metrics, async |_| {
         poll::record_figures(&sql, metrics).await?;
@@ -313,9 +313,7 @@ impl<'a> Session<'a> {
             tracing::info!(stored_offset = %stored, "resuming after the stored offset");
         }
         self.metrics.set_state(State::Streaming);
-        self.metrics
-            .health
-            .session_started(self.metrics.slot.lag_bytes.get());
+        self.metrics.health.session_started();
         tracing::info!(slot = %config.slot, publication = %config.publication, database = %config.postgres.dbname(), delivery = ?config.delivery, claim_ms, "streaming");
         let mut recorded = Lsn::ZERO;
         let confirmed = forward(
@@ -610,6 +608,7 @@ pub async fn forward<S: Source, K: Sink>(
         if let Some(lsn) = sink.confirmable() {
             confirmed = confirm(source, metrics, lsn);
         }
+        metrics.health.waiting_for_kafka(sink.held());
     }
     sink.finish().await?;
     if let Some(lsn) = sink.confirmable() {
@@ -620,7 +619,6 @@ pub async fn forward<S: Source, K: Sink>(
 
 fn confirm<S: Source>(source: &mut S, metrics: &Metrics, lsn: Lsn) -> Lsn {
     source.confirm(lsn);
-    metrics.health.confirmed(metrics.slot.lag_bytes.get());
     metrics
         .slot
         .confirmed_lsn

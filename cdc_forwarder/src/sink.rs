@@ -69,6 +69,8 @@ pub trait Sink {
     fn has_room(&self) -> bool;
     /// Whether a transaction's Begin arrived and its Commit not yet.
     fn reading(&self) -> bool;
+    /// What Kafka does not durably hold yet, in the ledger's holds.
+    fn held(&self) -> usize;
     /// Something the sink waited for: a delivery report, a Kafka commit, a timer.
     type Step;
     /// Waits for the sink's next step; pending for ever when nothing is

@@ -14,9 +14,11 @@ use tokio::sync::Mutex;
 static ONE_AT_A_TIME: Mutex<()> = Mutex::const_new(());
 const WAIT: Duration = Duration::from_secs(120);
 
-/// Polls `path` every 100 ms until its status is `status` (and its body
-/// contains `reason`), or panics after `timeout`; returns the body.
+/// Polls `path` of `forwarder` every 100 ms until its status is `status`
+/// (and its body contains `reason`), or panics after `timeout` with the
+/// forwarder's own log; returns the body.
 async fn until_answer(
+    forwarder: &Forwarder,
     port: u16,
     path: &str,
     status: u16,
@@ -34,7 +36,12 @@ async fn until_answer(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("{path} never answered {status} with {reason:?} within {timeout:?}; last: {last:?}");
+    let log = forwarder.log_text();
+    let own: Vec<&str> = log.lines().filter(|l| !l.contains("rdkafka")).collect();
+    panic!(
+        "{path} never answered {status} with {reason:?} within {timeout:?}; last: {last:?}\nthe forwarder's log:\n{}",
+        own[own.len().saturating_sub(60)..].join("\n")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,9 +62,10 @@ async fn liveness_fails_while_the_loop_is_stuck_and_returns_after() {
         ],
     );
     db.wait_slot_active(WAIT).await;
-    until_answer(port, "/healthz", 200, "alive", WAIT).await;
+    until_answer(&forwarder, port, "/healthz", 200, "alive", WAIT).await;
     write_transactions(&mut db.admin().await, "box", 3, 20).await;
     let body = until_answer(
+        &forwarder,
         port,
         "/healthz",
         503,
@@ -66,7 +74,7 @@ async fn liveness_fails_while_the_loop_is_stuck_and_returns_after() {
     )
     .await;
     eprintln!("while stuck: {body}");
-    until_answer(port, "/healthz", 200, "alive", WAIT).await;
+    until_answer(&forwarder, port, "/healthz", 200, "alive", WAIT).await;
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
     assert!(
@@ -89,7 +97,7 @@ async fn readiness_fails_while_the_broker_hangs_and_returns_after() {
         &["--delivery", "exactly-once", "--metrics-listen", &listen],
     );
     db.wait_slot_active(WAIT).await;
-    until_answer(port, "/readyz", 200, "ready", WAIT).await;
+    until_answer(&forwarder, port, "/readyz", 200, "ready", WAIT).await;
 
     // The broker stops with its sockets open, while events arrive.
     stack_command(&["pause-kafka"]);
@@ -97,6 +105,7 @@ async fn readiness_fails_while_the_broker_hangs_and_returns_after() {
     let mut writer = db.admin().await;
     write_transactions(&mut writer, "box", 5, 50).await;
     let body = until_answer(
+        &forwarder,
         port,
         "/readyz",
         503,
@@ -121,7 +130,7 @@ async fn readiness_fails_while_the_broker_hangs_and_returns_after() {
         "(readyz, healthz) while the broker hangs: {answers:?}"
     );
 
-    let body = until_answer(port, "/readyz", 200, "ready", WAIT).await;
+    let body = until_answer(&forwarder, port, "/readyz", 200, "ready", WAIT).await;
     eprintln!("after the broker's return: {body}");
     write_transactions(&mut writer, "box", 5, 50).await;
     let mut reader = Reader::new(&db.stack, &[&topic]);
@@ -140,7 +149,7 @@ async fn readiness_fails_while_kafka_acknowledges_nothing_and_returns_after() {
     let listen = format!("127.0.0.1:{port}");
     // The first delivery report is held on librdkafka's thread for 8 s:
     // Kafka answers metadata requests, the loop steps, and nothing the
-    // forwarder sent is acknowledged while the slot's lag grows.
+    // forwarder sent is acknowledged while its events wait.
     let forwarder = Forwarder::spawn_with_env(
         &db,
         &["--metrics-listen", &listen, "--ready-max-stall-ms", "2000"],
@@ -150,9 +159,17 @@ async fn readiness_fails_while_kafka_acknowledges_nothing_and_returns_after() {
         ],
     );
     db.wait_slot_active(WAIT).await;
-    until_answer(port, "/readyz", 200, "ready", WAIT).await;
+    until_answer(&forwarder, port, "/readyz", 200, "ready", WAIT).await;
     write_transactions(&mut db.admin().await, "box", 3, 30).await;
-    let body = until_answer(port, "/readyz", 503, "no confirm for", WAIT).await;
+    let body = until_answer(
+        &forwarder,
+        port,
+        "/readyz",
+        503,
+        "kafka acknowledged nothing for",
+        WAIT,
+    )
+    .await;
     eprintln!("while nothing is acknowledged: {body}");
     assert_eq!(
         http_get(port, "/healthz").await.map(|r| r.0),
@@ -160,7 +177,7 @@ async fn readiness_fails_while_kafka_acknowledges_nothing_and_returns_after() {
         "the loop steps"
     );
 
-    until_answer(port, "/readyz", 200, "ready", WAIT).await;
+    until_answer(&forwarder, port, "/readyz", 200, "ready", WAIT).await;
     let mut reader = Reader::new(&db.stack, &[&topic]);
     let verdict = read_every_committed(&db, &mut reader, &topic, WAIT).await;
     assert!(

@@ -102,6 +102,10 @@ impl<K: Kafka> Sink for AtLeastOnce<K> {
         self.ledger.reading()
     }
 
+    fn held(&self) -> usize {
+        self.ledger.holds()
+    }
+
     /// Reports arrived.
     type Step = ();
 

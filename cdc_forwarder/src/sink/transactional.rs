@@ -431,6 +431,10 @@ impl<K: Kafka, O: Offsets> Sink for Transactional<K, O> {
         self.ledger.reading()
     }
 
+    fn held(&self) -> usize {
+        self.ledger.holds()
+    }
+
     async fn wait(&mut self) -> Result<Step> {
         // A complete Kafka transaction waiting out its linger, with nothing
         // of a later PostgreSQL transaction in it yet.
