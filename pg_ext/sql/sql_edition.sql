@@ -1,7 +1,7 @@
 -- pg_outbox SQL edition: the functions that the extension writes in C
 -- (Rust), written in PL/pgSQL and SQL for a server that cannot load our
 -- library. scripts/sql-edition puts each block below in the place of the
--- `--@c-function NAME` block of the same name in pg_outbox.sql; the
+-- `--@c-function NAME` block of the same name in schema/*.sql; the
 -- signature, defaults, volatility, strictness, parallel safety, SECURITY
 -- DEFINER, comment and privileges are the extension's, and a test compares
 -- the two catalogs.

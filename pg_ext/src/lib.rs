@@ -1,13 +1,13 @@
 //! pg_outbox: the PostgreSQL side of the transactional outbox.
 //!
-//! The schema and the SQL API of the current version are one file,
-//! `sql/pg_outbox.sql`, which a fresh install runs after pgrx declares the
-//! Rust function below. An older install reaches the same catalog through
+//! The schema and the SQL API of the current version are the files of
+//! `sql/schema/`, one concern each, which a fresh install runs in the order
+//! of their names after pgrx declares the Rust function below. An older install reaches the same catalog through
 //! the released upgrade scripts `sql/pg_outbox--A--B.sql` (never edited; a
 //! test compares the catalogs), and 0.1.0's own install script is rebuilt
 //! from its frozen `bootstrap.sql` and `api.sql` by
 //! `scripts/released-sql.sh`. The SQL edition for managed PostgreSQL is
-//! assembled from `sql/pg_outbox.sql` too (`scripts/sql-edition`).
+//! assembled from `sql/schema/` too (`scripts/sql-edition`).
 
 // PostgreSQL's C API is unsafe to call; each unsafe block says why its use
 // is sound, and the resources it hands out are closed by guards (emit.rs).
@@ -135,9 +135,54 @@ fn random_bits() -> u64 {
 }
 
 extension_sql_file!(
-    "../sql/pg_outbox.sql",
-    name = "schema",
-    requires = [uuid_v7],
+    "../sql/schema/01-roles.sql",
+    name = "roles",
+    requires = [uuid_v7]
+);
+extension_sql_file!(
+    "../sql/schema/02-tables.sql",
+    name = "tables",
+    requires = ["roles"]
+);
+extension_sql_file!(
+    "../sql/schema/03-emit.sql",
+    name = "emit",
+    requires = ["tables"]
+);
+extension_sql_file!(
+    "../sql/schema/04-forwarder.sql",
+    name = "forwarder",
+    requires = ["emit"]
+);
+extension_sql_file!(
+    "../sql/schema/05-inbox.sql",
+    name = "inbox",
+    requires = ["forwarder"]
+);
+extension_sql_file!(
+    "../sql/schema/06-polling.sql",
+    name = "polling",
+    requires = ["inbox"]
+);
+extension_sql_file!(
+    "../sql/schema/07-contracts.sql",
+    name = "contracts",
+    requires = ["polling"]
+);
+extension_sql_file!(
+    "../sql/schema/08-dead-letters.sql",
+    name = "dead_letters",
+    requires = ["contracts"]
+);
+extension_sql_file!(
+    "../sql/schema/09-retention.sql",
+    name = "retention",
+    requires = ["dead_letters"]
+);
+extension_sql_file!(
+    "../sql/schema/10-privileges.sql",
+    name = "privileges",
+    requires = ["retention"],
     finalize
 );
 

@@ -1315,6 +1315,20 @@ async fn assert_kept_and_numbered_on(client: &Client) {
     assert_eq!(next, 4);
 }
 
+/// Copies the files of from, and of its folders, into to.
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).expect("target dir");
+    for entry in std::fs::read_dir(from).expect("source dir") {
+        let path = entry.expect("entry").path();
+        let target = to.join(path.file_name().expect("name"));
+        if path.is_dir() {
+            copy_dir(&path, &target);
+        } else {
+            std::fs::copy(&path, target).expect("copy");
+        }
+    }
+}
+
 /// The extension's version, as its crate declares it.
 fn extension_version(root: &std::path::Path) -> String {
     let manifest =
@@ -1339,10 +1353,7 @@ async fn the_next_sql_edition_upgrades_an_installed_one_in_place_keeping_its_dat
     let next = format!("{minor}.{}", patch.parse::<u32>().expect("patch") + 1);
     let release = std::env::temp_dir().join(unique("edition_next"));
     std::fs::create_dir_all(&release).expect("temp dir");
-    for entry in std::fs::read_dir(root.join("pg_ext/sql")).expect("sql dir") {
-        let path = entry.expect("entry").path();
-        std::fs::copy(&path, release.join(path.file_name().expect("name"))).expect("copy");
-    }
+    copy_dir(&root.join("pg_ext/sql"), &release);
     std::fs::write(
         release.join(format!("pg_outbox--{today}--{next}.sql")),
         format!(
