@@ -144,8 +144,6 @@ pub struct Config {
     /// The offsets topic's replication factor when it is created; `None`:
     /// the cluster's default.
     pub offsets_replication_factor: Option<i32>,
-    /// Overrides the transactional id derived from database and slot.
-    pub transactional_id_override: Option<String>,
     /// A Kafka transaction is committed at the first PostgreSQL commit where
     /// it holds this many events, even while more wait behind it.
     pub batch_max_events: usize,
@@ -331,16 +329,17 @@ impl Config {
     }
 
     /// The transactional id: one per database and slot, so a second
-    /// forwarder on the same slot fences the first.
+    /// forwarder on the same slot fences the first. The host is the first
+    /// the URL names, whichever is the primary now: a failover keeps the id,
+    /// so the forwarder on the new primary fences the old one and reads the
+    /// same offsets.
     pub fn transactional_id(&self) -> String {
-        self.transactional_id_override.clone().unwrap_or_else(|| {
-            format!(
-                "pg_outbox.{}.{}.{}",
-                self.postgres.host(),
-                self.postgres.dbname(),
-                self.slot
-            )
-        })
+        format!(
+            "pg_outbox.{}.{}.{}",
+            self.postgres.named_host(),
+            self.postgres.dbname(),
+            self.slot
+        )
     }
 
     /// The compacted topic of this forwarder's exactly-once offsets: the one
@@ -537,18 +536,37 @@ mod tests {
     }
 
     #[test]
+    fn a_failover_to_another_host_keeps_the_transactional_id_and_offsets_topic() {
+        let mut named =
+            Config::new("postgres://fwd@db-a:5432,db-b:5432/app", "k:9092").expect("valid");
+        named.slot = "orders".into();
+        let hosts = named.postgres.per_host();
+        assert_eq!(hosts[1].host(), "db-b");
+        let on_second = Config {
+            postgres: hosts[1].clone(),
+            ..named.clone()
+        };
+        assert_eq!(named.transactional_id(), "pg_outbox.db-a.app.orders");
+        assert_eq!(on_second.transactional_id(), named.transactional_id());
+        assert_eq!(on_second.offsets_topic(), named.offsets_topic());
+    }
+
+    #[test]
     fn each_forwarder_has_an_offsets_topic_of_its_own_unless_one_is_chosen() {
         let mut c = Config::new("postgres://u@db-1/app", "k:9092").expect("valid");
         c.slot = "orders".into();
         assert_eq!(c.offsets_topic(), "pg_outbox.offsets.db-1.app.orders");
         assert_eq!(c.offsets_fallback().as_deref(), Some(SHARED_OFFSETS_TOPIC));
 
-        c.transactional_id_override = Some("tenant ä/orders".into());
-        assert_eq!(c.offsets_topic(), "pg_outbox.offsets.tenant___orders");
+        c.slot = "tenant ä/orders".into();
+        assert_eq!(
+            c.offsets_topic(),
+            "pg_outbox.offsets.db-1.app.tenant___orders"
+        );
 
         let long = |tail: &str| {
             let mut c = c.clone();
-            c.transactional_id_override = Some(format!("{}{tail}", "x".repeat(300)));
+            c.slot = format!("{}{tail}", "x".repeat(300));
             c.offsets_topic()
         };
         assert!(is_valid_topic(&long("a")), "{}", long("a"));

@@ -213,7 +213,6 @@ impl Options {
             delivery: self.delivery,
             offsets_topic: self.offsets_topic,
             offsets_replication_factor: self.offsets_replication_factor,
-            transactional_id_override: None,
             batch_max_events: self.batch_max_events,
             batch_linger: Duration::from_millis(self.batch_linger_ms),
             transaction_timeout: config::TRANSACTION_TIMEOUT,

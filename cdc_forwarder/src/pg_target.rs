@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 pub struct PgTarget {
     config: tokio_postgres::Config,
     tls: PgTls,
+    /// The first host the URL names, kept by [`PgTarget::per_host`]'s
+    /// targets: see [`PgTarget::named_host`].
+    named_host: String,
 }
 
 /// libpq's `sslmode`.
@@ -199,7 +202,21 @@ impl PgTarget {
         if config.get_user().is_none() {
             return Err(Error::Config("postgres url names no user".into()));
         }
-        Ok(PgTarget { config, tls })
+        let mut target = PgTarget {
+            config,
+            tls,
+            named_host: String::new(),
+        };
+        target.named_host = target.host();
+        Ok(target)
+    }
+
+    /// The first host the URL names, whichever of its hosts this target
+    /// connects to: what names the database in Kafka (the transactional id
+    /// and the offsets topic), so that a failover from the first host of a
+    /// multi-host URL to another keeps both.
+    pub fn named_host(&self) -> &str {
+        &self.named_host
     }
 
     pub fn tls(&self) -> &PgTls {
@@ -303,6 +320,7 @@ impl PgTarget {
                 PgTarget {
                     config: one,
                     tls: self.tls.clone(),
+                    named_host: self.named_host.clone(),
                 }
             })
             .collect()

@@ -81,10 +81,12 @@ impl Pair {
         );
     }
 
-    /// Both hosts, as an application or the forwarder names them.
+    /// Both hosts, as an application or the forwarder names them: by two
+    /// names, as the hosts of a real pair have, so that what names the
+    /// database in Kafka must not follow the host the forwarder reaches.
     pub fn url(&self, credentials: &str) -> String {
         format!(
-            "postgres://{credentials}@127.0.0.1:{},127.0.0.1:{}/postgres?sslmode=disable",
+            "postgres://{credentials}@127.0.0.1:{},localhost:{}/postgres?sslmode=disable",
             self.nodes[0].port, self.nodes[1].port
         )
     }
