@@ -169,7 +169,15 @@ async fn session(
     };
     let sql = database::connect(&config.postgres).await?;
     match config.source {
-        SourceKind::Slot => publication::prepare(&sql, config).await?,
+        SourceKind::Slot => {
+            publication::prepare(
+                &sql,
+                config.postgres.dbname(),
+                &config.publication,
+                config.create_missing,
+            )
+            .await?
+        }
         SourceKind::Poll => poll::prepare(&sql).await?,
     }
     faults::check("producer_init");
@@ -297,7 +305,8 @@ impl<'a> Session<'a> {
         shutdown: &mut watch::Receiver<bool>,
     ) -> Result<()> {
         let config = self.config;
-        let mut stream = ReplicationStream::connect(config).await?;
+        let mut stream =
+            ReplicationStream::connect(&config.postgres, &config.slot, &config.publication).await?;
         sink.prepare().await?;
         if !self.is_caught_up().await? {
             self.create_slot_and_catch_up(&mut stream, sink).await?;

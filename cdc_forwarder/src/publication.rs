@@ -3,13 +3,18 @@
 
 use tokio_postgres::Client;
 
-use crate::config::Config;
 use crate::error::{Error, Result};
 
-/// Checks that the database can feed the forwarder and creates the
-/// publication when asked to. The slot is created by the replication
-/// session, with the snapshot the first-start catch-up reads.
-pub async fn prepare(client: &Client, config: &Config) -> Result<()> {
+/// Checks that the database (named `dbname` in errors) can feed the
+/// forwarder, and creates the publication `name` when it is missing and
+/// `create_missing` allows. The slot is created by the replication session,
+/// with the snapshot the first-start catch-up reads.
+pub async fn prepare(
+    client: &Client,
+    dbname: &str,
+    name: &str,
+    create_missing: bool,
+) -> Result<()> {
     let wal_level: String = client.query_one("SHOW wal_level", &[]).await?.get(0);
     if wal_level != "logical" {
         return Err(Error::Setup(format!(
@@ -22,27 +27,22 @@ pub async fn prepare(client: &Client, config: &Config) -> Result<()> {
         .get::<_, bool>(0);
     if !has_table {
         return Err(Error::Setup(format!(
-            "database {:?} has no outbox.events table; run CREATE EXTENSION pg_outbox there",
-            config.postgres.dbname()
+            "database {dbname:?} has no outbox.events table; run CREATE EXTENSION pg_outbox there"
         )));
     }
 
-    if !exists(client, &config.publication).await? {
-        if !config.create_missing {
+    if !exists(client, name).await? {
+        if !create_missing {
             return Err(Error::Setup(format!(
-                "publication {:?} does not exist; run `outbox-forwarder publication create` or allow creation",
-                config.publication
+                "publication {name:?} does not exist; run `outbox-forwarder publication create` or allow creation"
             )));
         }
         // The extension's definer-rights function creates it, so the
         // forwarder's role needs no ownership of the events table.
         client
-            .execute(
-                "SELECT outbox.ensure_publication($1)",
-                &[&config.publication],
-            )
+            .execute("SELECT outbox.ensure_publication($1)", &[&name])
             .await?;
-        tracing::info!(publication = %config.publication, "created publication");
+        tracing::info!(publication = %name, "created publication");
     }
 
     Ok(())

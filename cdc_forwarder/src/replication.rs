@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use pgwire_replication::{ReplicationClient, ReplicationConfig, ReplicationEvent};
 
-use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::lsn::Lsn;
+use crate::pg_target::PgTarget;
 use crate::pgoutput::{self, Message};
 
 /// What the stream delivers, already decoded.
@@ -58,16 +58,16 @@ pub struct ReplicationStream {
 }
 
 impl ReplicationStream {
-    /// Connects in replication mode; streaming waits for [`Self::start`].
-    pub async fn connect(config: &Config) -> Result<Self> {
-        let pg = &config.postgres;
+    /// Connects to `pg` in replication mode, to stream `slot` through
+    /// `publication`; streaming waits for [`Self::start`].
+    pub async fn connect(pg: &PgTarget, slot: &str, publication: &str) -> Result<Self> {
         let cfg = ReplicationConfig::new(
             pg.host(),
             pg.user(),
             pg.password(),
             pg.dbname(),
-            config.slot.clone(),
-            config.publication.clone(),
+            slot.to_owned(),
+            publication.to_owned(),
         )
         .with_port(pg.port())
         .with_tls(crate::tls::replication_tls(pg.tls(), &pg.host()))
