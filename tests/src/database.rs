@@ -1,7 +1,18 @@
 //! A database of its own per test with the outbox installed, and the SQL a
 //! test writes through: emits, transactions, what committed.
 
-use crate::*;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rand::Rng;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::ClientConfig;
+use tokio::process::Command;
+use tokio_postgres::{Client, NoTls};
+
+use crate::{forwarder_command, wait_until, Stack};
 
 /// A random lower-case suffix that keeps one test's objects apart from another's.
 pub fn unique(prefix: &str) -> String {

@@ -1,6 +1,13 @@
 //! The `outbox-forwarder` binary as a child process, and its HTTP endpoints.
 
-use crate::*;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+
+use crate::{unique, TestDb};
 
 /// The `outbox-forwarder` binary built by `scripts/test`.
 pub fn forwarder_bin() -> PathBuf {

@@ -12,20 +12,7 @@ mod reader;
 mod stack;
 mod verdict;
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-use rand::Rng;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::error::KafkaResult;
-use rdkafka::message::{Headers, Message};
-use rdkafka::ClientConfig;
-use tokio::process::{Child, Command};
-use tokio_postgres::{Client, NoTls};
 
 pub use database::*;
 pub use forwarder::*;

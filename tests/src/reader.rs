@@ -1,6 +1,14 @@
 //! A `read_committed` Kafka consumer that reads back what arrived.
 
-use crate::*;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{Headers, Message};
+use rdkafka::ClientConfig;
+
+use crate::{unique, Stack};
 
 /// One record read back from Kafka.
 #[derive(Debug, Clone)]

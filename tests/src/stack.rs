@@ -1,7 +1,10 @@
 //! The running stack (`scripts/stack up`): where PostgreSQL and Kafka are,
 //! its faults, and loopback ports.
 
-use crate::*;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use crate::TestDb;
 
 /// Connection settings of the running stack, from the environment that
 /// `scripts/test` exports (the output of `scripts/stack up`).

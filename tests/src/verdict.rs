@@ -1,7 +1,10 @@
 //! What arrived compared with what committed: lost, duplicates, order,
 //! phantoms.
 
-use crate::*;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::{committed_events, Reader, Record, TestDb};
 
 /// What arrived compared with what committed.
 #[derive(Debug, Default, PartialEq, Eq)]
