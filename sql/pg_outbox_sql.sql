@@ -1,5 +1,5 @@
--- pg_outbox SQL edition 0.7.0: the outbox schema and functions of the
--- pg_outbox extension 0.7.0, for PostgreSQL where the extension's library
+-- pg_outbox SQL edition 0.8.0: the outbox schema and functions of the
+-- pg_outbox extension 0.8.0, for PostgreSQL where the extension's library
 -- cannot be installed (managed services). Run it as the database owner, a
 -- role with CREATEROLE and CREATE on the database; no superuser is needed:
 --
@@ -36,8 +36,8 @@ BEGIN
             USING ERRCODE = 'PO012', HINT = 'Install into a database without a schema named outbox.';
     END IF;
     IF pg_catalog.string_to_array(pg_catalog.substr(installed, 23), '.')::int[]
-       > pg_catalog.string_to_array('0.7.0', '.')::int[] THEN
-        RAISE EXCEPTION '% is installed, newer than this file (%)', installed, '0.7.0'
+       > pg_catalog.string_to_array('0.8.0', '.')::int[] THEN
+        RAISE EXCEPTION '% is installed, newer than this file (%)', installed, '0.8.0'
             USING ERRCODE = 'PO012', HINT = 'Run the newest pg_outbox_sql.sql; editions are not downgraded.';
     END IF;
 END
@@ -189,6 +189,7 @@ CREATE TABLE outbox.events (
     topic          text,
     occurred_at    timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     txid           xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    aggregate_hash integer,
     -- The key of an event, and the index its aggregate's newest sequence is
     -- read from. Event ids are unique by construction (version 7 UUIDs).
     CONSTRAINT events_aggregate_seq_key UNIQUE (aggregate_type, aggregate_id, aggregate_seq)
@@ -206,6 +207,7 @@ COMMENT ON COLUMN outbox.events.headers IS 'Extra Kafka headers: a JSON object o
 COMMENT ON COLUMN outbox.events.topic IS 'Topic that overrides the forwarder''s template for this event.';
 COMMENT ON COLUMN outbox.events.occurred_at IS 'When emit_event ran.';
 COMMENT ON COLUMN outbox.events.txid IS 'The writing transaction.';
+COMMENT ON COLUMN outbox.events.aggregate_hash IS 'outbox.aggregate_hash of the aggregate, set at emit: a sharded forwarder''s shard is aggregate_hash % shards (NULL for events stored before 0.8.0).';
 
 CREATE FUNCTION outbox.refuse_event_change() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -258,6 +260,17 @@ CREATE TABLE outbox.relay_progress (
 );
 COMMENT ON TABLE outbox.relay_progress IS 'Per slot: first-start catch-up done and last confirmed position, recorded by outbox-forwarder.';
 
+-- The shard of each sharded forwarder's slot, recorded when it starts: its
+-- publication carries the events whose aggregate_hash % shards = shard.
+-- Kept while the slot is recreated; dropped with the slot.
+CREATE TABLE outbox.relay_shards (
+    slot_name name    NOT NULL PRIMARY KEY,
+    shard     integer NOT NULL,
+    shards    integer NOT NULL,
+    CHECK (shard >= 0 AND shard < shards)
+);
+COMMENT ON TABLE outbox.relay_shards IS 'Per sharded forwarder slot: which shard of how many it carries, recorded by outbox-forwarder.';
+
 CREATE TABLE outbox.inbox_consumers (
     consumer   text        COLLATE "C" NOT NULL PRIMARY KEY,
     owner      name        NOT NULL,
@@ -286,10 +299,10 @@ CREATE TABLE outbox.inbox_positions (
 COMMENT ON TABLE outbox.inbox_positions IS 'Highest sequence each consumer has processed per aggregate.';
 
 REVOKE ALL ON outbox.events, outbox.sequence_floors, outbox.idempotency_keys, outbox.relay_progress,
-              outbox.inbox_consumers, outbox.inbox, outbox.inbox_positions FROM PUBLIC;
+              outbox.relay_shards, outbox.inbox_consumers, outbox.inbox, outbox.inbox_positions FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.refuse_event_change() FROM PUBLIC;
 -- The forwarder reads events for its first-start catch-up, and its progress.
-CALL outbox.grant_to('relay', 'SELECT ON outbox.events, outbox.relay_progress');
+CALL outbox.grant_to('relay', 'SELECT ON outbox.events, outbox.relay_progress, outbox.relay_shards');
 
 ------------------------------------------------------------------------------
 -- Validation: every check raises before anything is written.
@@ -421,6 +434,20 @@ AS $$
            'hex')::uuid
 $$;
 
+-- Where an aggregate lives when the outbox is split into shards: the first
+-- 31 bits of the SHA-256 of its type and id in UTF-8, joined by a zero byte
+-- (which text cannot hold). Stored with every event at emit (emit_event's C
+-- code computes the same), so that a shard's publication can filter on
+-- aggregate_hash % shards, and no later change of PostgreSQL's own hash
+-- functions or of the number of shards moves an aggregate's stored events.
+CREATE FUNCTION outbox.aggregate_hash(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+RETURN ('x' || pg_catalog.encode(pg_catalog.substr(pg_catalog.sha256(
+            pg_catalog.convert_to(aggregate_type, 'UTF8') || pg_catalog.decode('00', 'hex')
+            || pg_catalog.convert_to(aggregate_id, 'UTF8')), 1, 4), 'hex'))::bit(32)::integer & 2147483647;
+COMMENT ON FUNCTION outbox.aggregate_hash(text, text) IS
+    'The aggregate''s hash that shards split on (0 to 2^31-1): stored in outbox.events.aggregate_hash by every emit.';
+
 -- The sequence primitive: a transaction-scoped advisory lock on the
 -- aggregate, then its newest sequence read with the latest snapshot.
 CREATE FUNCTION outbox.lock_aggregate(aggregate_type text, aggregate_id text) RETURNS bigint
@@ -486,7 +513,7 @@ BEGIN
         -- statement of its own would.
         PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                   schema_version, payload, headers, topic)
+                                   schema_version, payload, headers, topic, aggregate_hash)
         VALUES (outbox.uuid_v7(), emit_event.aggregate_type, emit_event.aggregate_id,
                 coalesce((SELECT e.aggregate_seq FROM outbox.events e
                            WHERE e.aggregate_type = emit_event.aggregate_type AND e.aggregate_id = emit_event.aggregate_id
@@ -501,7 +528,8 @@ BEGIN
                              FROM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
                                                        emit_event.schema_version, emit_event.payload))
                      ELSE emit_event.payload END,
-                emit_event.headers, emit_event.topic)
+                emit_event.headers, emit_event.topic,
+                outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id))
         RETURNING events.event_id, events.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq;
         IF emit_event.expected_seq IS NULL THEN
             RETURN;
@@ -546,10 +574,10 @@ BEGIN
         END IF;
         BEGIN
             INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                       schema_version, payload, headers, topic)
+                                       schema_version, payload, headers, topic, aggregate_hash)
             VALUES (emit_event.event_id, emit_event.aggregate_type, emit_event.aggregate_id, emit_event.aggregate_seq,
                     emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers,
-                    emit_event.topic);
+                    emit_event.topic, outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id));
         EXCEPTION WHEN unique_violation THEN
             -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate
             -- an event of this aggregate that committed since: its number is
@@ -636,10 +664,11 @@ BEGIN
             ON b.t = x.value->>'aggregate_type' AND b.i = x.value->>'aggregate_id'
     ), ins AS (
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                   schema_version, payload, headers, topic)
+                                   schema_version, payload, headers, topic, aggregate_hash)
         SELECT s.id, s.v->>'aggregate_type', s.v->>'aggregate_id', s.seq, s.v->>'event_type',
                coalesce((s.v->>'schema_version')::integer, 1), s.v->'payload',
-               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic'
+               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic',
+               outbox.aggregate_hash(s.v->>'aggregate_type', s.v->>'aggregate_id')
           FROM src s ORDER BY s.ord
         RETURNING 1
     )
@@ -709,6 +738,58 @@ $$;
 COMMENT ON FUNCTION outbox.drop_publication(text) IS
     'Drops a publication on outbox.events (and no other), for outbox-forwarder publication drop.';
 
+-- A shard's publication: the inserts of the events whose aggregate_hash %
+-- shards = shard. One that exists with another row filter is refused, so a
+-- forwarder never streams a shard it was not given.
+CREATE FUNCTION outbox.ensure_shard_publication(name text, shard integer, shards integer) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    wanted text := format('((aggregate_hash %% %s) = %s)', shards, shard);
+    found text;
+BEGIN
+    IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
+        RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
+            USING ERRCODE = 'PO002', HINT = 'Use 1 to 63 characters of a-z, 0-9 and _.';
+    END IF;
+    IF shards IS NULL OR shards < 1 OR shards > 1024 OR shard IS NULL OR shard < 0 OR shard >= shards THEN
+        RAISE EXCEPTION 'shard %/% is out of range', coalesce(shard::text, 'NULL'), coalesce(shards::text, 'NULL')
+            USING ERRCODE = 'PO007', HINT = 'shards is 1 to 1024, and shard 0 to shards - 1.';
+    END IF;
+    SELECT coalesce(pg_get_expr(r.prqual, r.prrelid), '') INTO found
+      FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid
+     WHERE p.pubname = name AND r.prrelid = 'outbox.events'::regclass;
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM pg_publication WHERE pubname = name) THEN
+            RAISE EXCEPTION 'publication % exists but does not publish outbox.events', quote_ident(name)
+                USING ERRCODE = 'PO013', HINT = 'Give the shard a publication name of its own.';
+        END IF;
+        EXECUTE format('CREATE PUBLICATION %I FOR TABLE outbox.events WHERE (aggregate_hash %% %s = %s) WITH (publish = %L)',
+                       name, shards, shard, 'insert');
+    ELSIF found <> wanted THEN
+        RAISE EXCEPTION 'publication % filters outbox.events by % instead of shard %/%''s %',
+                quote_ident(name), coalesce(nullif(found, ''), 'nothing'), shard, shards, wanted
+            USING ERRCODE = 'PO013',
+                  HINT = 'Each shard of each layout has a publication of its own: drop this one (outbox-forwarder publication drop) or name another.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.ensure_shard_publication(text, integer, integer) IS
+    'Creates the publication of one shard (the events whose aggregate_hash % shards = shard) if missing; refuses one with another filter.';
+
+-- Which shard a sharded forwarder's slot carries, for status().
+CREATE FUNCTION outbox.record_relay_shard(slot_name name, shard integer, shards integer) RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO outbox.relay_shards AS s (slot_name, shard, shards) VALUES ($1, $2, $3)
+    ON CONFLICT ON CONSTRAINT relay_shards_pkey DO UPDATE SET shard = EXCLUDED.shard, shards = EXCLUDED.shards
+     WHERE (s.shard, s.shards) IS DISTINCT FROM (EXCLUDED.shard, EXCLUDED.shards);
+$$;
+COMMENT ON FUNCTION outbox.record_relay_shard(name, integer, integer) IS
+    'Called by a sharded outbox-forwarder as it starts: the shard its slot carries.';
+
 -- Each progress report promotes the previous mark (a snapshot and the WAL
 -- insert position taken after it) to "safe" once the confirmed position has
 -- passed that WAL position: every transaction visible in a safe snapshot
@@ -750,6 +831,15 @@ $$;
 COMMENT ON FUNCTION outbox.forget_relay(name) IS
     'Called by outbox-forwarder when it drops or recreates a slot: its catch-up must run again.';
 
+CREATE FUNCTION outbox.forget_relay_shard(slot_name name) RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    DELETE FROM outbox.relay_shards WHERE relay_shards.slot_name = $1;
+$$;
+COMMENT ON FUNCTION outbox.forget_relay_shard(name) IS
+    'Called by outbox-forwarder slot drop: the slot no longer carries a shard.';
+
 CREATE FUNCTION outbox.status()
 RETURNS TABLE (
     slot_name              name,
@@ -762,7 +852,9 @@ RETURNS TABLE (
     unforwarded_events     bigint,
     oldest_unforwarded_age interval,
     progress_age           interval,
-    estimated_events       bigint
+    estimated_events       bigint,
+    shard                  integer,
+    shards                 integer
 )
 LANGUAGE sql STABLE PARALLEL SAFE SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
@@ -773,22 +865,27 @@ AS $$
            s.wal_status,
            u.n, now() - u.oldest,
            now() - p.updated_at,
-           (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c WHERE c.oid = 'outbox.events'::regclass)
+           (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c WHERE c.oid = 'outbox.events'::regclass),
+           h.shard, h.shards
       FROM pg_replication_slots s
       LEFT JOIN outbox.relay_progress p ON p.slot_name = s.slot_name
+      LEFT JOIN outbox.relay_shards h ON h.slot_name = s.slot_name
       LEFT JOIN LATERAL (
           -- Events not in the slot's safe snapshot: committed later, or not
-          -- yet known to be confirmed (an upper bound, about a second behind).
+          -- yet known to be confirmed (an upper bound, about a second behind);
+          -- of a sharded slot, those of its shard.
           SELECT count(*) AS n, min(e.occurred_at) AS oldest
             FROM outbox.events e
            WHERE p.safe_snapshot IS NOT NULL
              AND e.txid >= pg_snapshot_xmin(p.safe_snapshot)
              AND NOT pg_visible_in_snapshot(e.txid, p.safe_snapshot)
+             AND (h.shards IS NULL
+                  OR coalesce(e.aggregate_hash, outbox.aggregate_hash(e.aggregate_type, e.aggregate_id)) % h.shards = h.shard)
       ) u ON true
      WHERE s.database = current_database() AND s.plugin = 'pgoutput';
 $$;
 COMMENT ON FUNCTION outbox.status() IS
-    'Per forwarder slot: active, caught up, lag and retained WAL in bytes, events not yet forwarded and the age of the oldest.';
+    'Per forwarder slot: active, caught up, lag and retained WAL in bytes, events not yet forwarded and the age of the oldest, and the shard it carries.';
 
 ------------------------------------------------------------------------------
 -- Inbox
@@ -1756,6 +1853,9 @@ REVOKE ALL ON FUNCTION outbox.emit_events(jsonb) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.current_seq(text, text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.ensure_publication(text) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.drop_publication(text) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.ensure_shard_publication(text, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.record_relay_shard(name, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.forget_relay_shard(name) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.forget_relay(name) FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.status() FROM PUBLIC;
@@ -1768,6 +1868,9 @@ CALL outbox.grant_to('writer', 'EXECUTE ON FUNCTION outbox.emit_events(jsonb)');
 CALL outbox.grant_to('writer', 'EXECUTE ON FUNCTION outbox.current_seq(text, text)');
 CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.ensure_publication(text)');
 CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.drop_publication(text)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.ensure_shard_publication(text, integer, integer)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.record_relay_shard(name, integer, integer)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.forget_relay_shard(name)');
 CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.record_relay_progress(name, pg_lsn, boolean)');
 CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.forget_relay(name)');
 CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.status()');
@@ -2677,7 +2780,7 @@ BEGIN
         -- statement of its own would.
         PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                   schema_version, payload, headers, topic)
+                                   schema_version, payload, headers, topic, aggregate_hash)
         VALUES (outbox.uuid_v7(), emit_event.aggregate_type, emit_event.aggregate_id,
                 coalesce((SELECT e.aggregate_seq FROM outbox.events e
                            WHERE e.aggregate_type = emit_event.aggregate_type AND e.aggregate_id = emit_event.aggregate_id
@@ -2692,7 +2795,8 @@ BEGIN
                              FROM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
                                                        emit_event.schema_version, emit_event.payload))
                      ELSE emit_event.payload END,
-                emit_event.headers, emit_event.topic)
+                emit_event.headers, emit_event.topic,
+                outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id))
         RETURNING events.event_id, events.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq;
         IF emit_event.expected_seq IS NULL THEN
             RETURN;
@@ -2737,10 +2841,10 @@ BEGIN
         END IF;
         BEGIN
             INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                       schema_version, payload, headers, topic)
+                                       schema_version, payload, headers, topic, aggregate_hash)
             VALUES (emit_event.event_id, emit_event.aggregate_type, emit_event.aggregate_id, emit_event.aggregate_seq,
                     emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers,
-                    emit_event.topic);
+                    emit_event.topic, outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id));
         EXCEPTION WHEN unique_violation THEN
             -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate
             -- an event of this aggregate that committed since: its number is
@@ -3070,5 +3174,372 @@ COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.7.0';
 SELECT 'pg_outbox SQL edition 0.7.0' AS pg_outbox_installed \gset
 \endif
 
-COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.7.0';
+SELECT :'pg_outbox_installed' = 'pg_outbox SQL edition 0.7.0' AS pg_outbox_step \gset
+\if :pg_outbox_step
+-- pg_outbox 0.7.0 -> 0.8.0: shards.
+--
+-- An outbox can be split into shards, each streamed by a forwarder of its
+-- own through a slot and a publication of its own that carries the events
+-- whose aggregate_hash % shards = shard, so that forwarding is no longer
+-- bound to one walsender. Every emit now stores the aggregate's hash; events
+-- stored before this step have none (NULL), and what reads them computes it.
+
+ALTER TABLE outbox.events ADD COLUMN aggregate_hash integer;
+COMMENT ON COLUMN outbox.events.aggregate_hash IS 'outbox.aggregate_hash of the aggregate, set at emit: a sharded forwarder''s shard is aggregate_hash % shards (NULL for events stored before 0.8.0).';
+
+-- The shard of each sharded forwarder's slot, recorded when it starts: its
+-- publication carries the events whose aggregate_hash % shards = shard.
+-- Kept while the slot is recreated; dropped with the slot.
+CREATE TABLE outbox.relay_shards (
+    slot_name name    NOT NULL PRIMARY KEY,
+    shard     integer NOT NULL,
+    shards    integer NOT NULL,
+    CHECK (shard >= 0 AND shard < shards)
+);
+COMMENT ON TABLE outbox.relay_shards IS 'Per sharded forwarder slot: which shard of how many it carries, recorded by outbox-forwarder.';
+
+REVOKE ALL ON outbox.relay_shards FROM PUBLIC;
+CALL outbox.grant_to('relay', 'SELECT ON outbox.relay_shards');
+
+-- Where an aggregate lives when the outbox is split into shards: the first
+-- 31 bits of the SHA-256 of its type and id in UTF-8, joined by a zero byte
+-- (which text cannot hold). Stored with every event at emit (emit_event's C
+-- code computes the same), so that a shard's publication can filter on
+-- aggregate_hash % shards, and no later change of PostgreSQL's own hash
+-- functions or of the number of shards moves an aggregate's stored events.
+CREATE FUNCTION outbox.aggregate_hash(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+RETURN ('x' || pg_catalog.encode(pg_catalog.substr(pg_catalog.sha256(
+            pg_catalog.convert_to(aggregate_type, 'UTF8') || pg_catalog.decode('00', 'hex')
+            || pg_catalog.convert_to(aggregate_id, 'UTF8')), 1, 4), 'hex'))::bit(32)::integer & 2147483647;
+COMMENT ON FUNCTION outbox.aggregate_hash(text, text) IS
+    'The aggregate''s hash that shards split on (0 to 2^31-1): stored in outbox.events.aggregate_hash by every emit.';
+
+CREATE OR REPLACE FUNCTION outbox.emit_events(events jsonb)
+RETURNS TABLE (ordinal integer, event_id uuid, aggregate_seq bigint)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    n integer;
+    e record;
+    agg record;
+    agg_types text[] := '{}';
+    agg_ids text[] := '{}';
+    bases bigint[] := '{}';
+BEGIN
+    IF events IS NULL OR jsonb_typeof(events) <> 'array' THEN
+        RAISE EXCEPTION 'events must be a JSON array of event objects'
+            USING ERRCODE = 'PO008', HINT = 'Pass [{"aggregate_type": ..., "aggregate_id": ..., "event_type": ..., "payload": ...}, ...].';
+    END IF;
+    n := jsonb_array_length(events);
+    IF n = 0 OR n > 10000 THEN
+        RAISE EXCEPTION 'a batch holds 1 to 10000 events, not %', n
+            USING ERRCODE = 'PO008', HINT = 'Split larger batches.';
+    END IF;
+    FOR e IN SELECT x.value AS v, x.ordinality AS i FROM jsonb_array_elements(events) WITH ORDINALITY x LOOP
+        IF jsonb_typeof(e.v) <> 'object' OR NOT (e.v ? 'payload')
+           OR (e.v ? 'schema_version' AND jsonb_typeof(e.v->'schema_version') <> 'number')
+           OR EXISTS (SELECT 1 FROM unnest(ARRAY['aggregate_type', 'aggregate_id', 'event_type', 'topic']) f
+                       WHERE e.v ? f AND jsonb_typeof(e.v->f) NOT IN ('string', 'null')) THEN
+            RAISE EXCEPTION 'batch element % is not an event object with a payload and text fields', e.i
+                USING ERRCODE = 'PO008', HINT = 'Each element needs aggregate_type, aggregate_id, event_type (strings) and payload; schema_version is a number.';
+        END IF;
+        PERFORM outbox.check_event(e.v->>'aggregate_type', e.v->>'aggregate_id', e.v->>'event_type',
+                                   CASE WHEN jsonb_typeof(e.v->'payload') = 'null' THEN NULL ELSE e.v->'payload' END,
+                                   nullif(e.v->'headers', 'null'::jsonb),
+                                   coalesce((e.v->>'schema_version')::integer, 1), e.v->>'topic');
+        PERFORM outbox.check_payload(e.v->>'aggregate_type', e.v->>'event_type',
+                                     coalesce((e.v->>'schema_version')::integer, 1), e.v->'payload');
+    END LOOP;
+
+    -- Lock the aggregates in one sorted pass: concurrent batches take the
+    -- locks in the same order and cannot deadlock.
+    FOR agg IN
+        SELECT x.t, x.i
+          FROM (SELECT value->>'aggregate_type' AS t, value->>'aggregate_id' AS i
+                  FROM jsonb_array_elements(events)) x
+         GROUP BY x.t, x.i ORDER BY x.t COLLATE "C", x.i COLLATE "C"
+    LOOP
+        agg_types := agg_types || agg.t;
+        agg_ids := agg_ids || agg.i;
+        bases := bases || outbox.lock_aggregate(agg.t, agg.i);
+    END LOOP;
+
+    RETURN QUERY
+    WITH src AS MATERIALIZED (
+        SELECT x.ordinality::integer AS ord, outbox.uuid_v7() AS id, x.value AS v,
+               b.base + row_number() OVER (PARTITION BY b.t, b.i ORDER BY x.ordinality) AS seq
+          FROM jsonb_array_elements(events) WITH ORDINALITY x
+          JOIN unnest(agg_types, agg_ids, bases) AS b(t, i, base)
+            ON b.t = x.value->>'aggregate_type' AND b.i = x.value->>'aggregate_id'
+    ), ins AS (
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic, aggregate_hash)
+        SELECT s.id, s.v->>'aggregate_type', s.v->>'aggregate_id', s.seq, s.v->>'event_type',
+               coalesce((s.v->>'schema_version')::integer, 1), s.v->'payload',
+               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic',
+               outbox.aggregate_hash(s.v->>'aggregate_type', s.v->>'aggregate_id')
+          FROM src s ORDER BY s.ord
+        RETURNING 1
+    )
+    SELECT s.ord, s.id, s.seq FROM src s ORDER BY s.ord;
+END
+$$;
+
+-- The C function computes the hash itself; the SQL edition's emit_event is
+-- replaced by one that stores it.
+CREATE OR REPLACE FUNCTION outbox.emit_event(
+    aggregate_type  text,
+    aggregate_id    text,
+    event_type      text,
+    payload         jsonb,
+    headers         jsonb   DEFAULT NULL,
+    schema_version  integer DEFAULT 1,
+    expected_seq    bigint  DEFAULT NULL,
+    idempotency_key text    DEFAULT NULL,
+    topic           text    DEFAULT NULL,
+    OUT event_id      uuid,
+    OUT aggregate_seq bigint,
+    OUT replayed      boolean
+)
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+#variable_conflict use_column
+DECLARE
+    latest bigint;
+    refusal record;
+BEGIN
+    emit_event.replayed := false;
+    IF (emit_event.idempotency_key IS NULL AND current_setting('transaction_isolation') = 'read committed'
+        AND emit_event.aggregate_type ~ '^[A-Za-z0-9._-]{1,128}$'
+        AND octet_length(emit_event.aggregate_id) BETWEEN 1 AND 512
+        AND length(emit_event.event_type) BETWEEN 1 AND 255
+        AND pg_column_size(emit_event.payload)
+            <= coalesce(nullif(current_setting('pg_outbox.max_payload_bytes', true), '')::bigint, 1000000)
+        AND emit_event.headers IS NULL AND emit_event.topic IS NULL
+        AND emit_event.schema_version >= 1 AND coalesce(emit_event.expected_seq, 0) >= 0) IS TRUE THEN
+        -- The common call, plainly valid, in two statements: each SQL
+        -- statement starts an executor, which costs more than the rest of
+        -- the function. The lock first: the INSERT starts once it is
+        -- granted, so its snapshot holds every event of the aggregate
+        -- committed before, and it reads the newest sequence itself. The
+        -- INSERT checks the payload too, where its event type has a schema:
+        -- a probe of outbox.event_schemas costs the statement less than a
+        -- statement of its own would.
+        PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
+        INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                   schema_version, payload, headers, topic, aggregate_hash)
+        VALUES (outbox.uuid_v7(), emit_event.aggregate_type, emit_event.aggregate_id,
+                coalesce((SELECT e.aggregate_seq FROM outbox.events e
+                           WHERE e.aggregate_type = emit_event.aggregate_type AND e.aggregate_id = emit_event.aggregate_id
+                           ORDER BY e.aggregate_seq DESC LIMIT 1),
+                         (SELECT f.last_seq FROM outbox.sequence_floors f
+                           WHERE f.aggregate_type = emit_event.aggregate_type AND f.aggregate_id = emit_event.aggregate_id),
+                         0) + 1,
+                emit_event.event_type, emit_event.schema_version,
+                CASE WHEN EXISTS (SELECT 1 FROM outbox.event_schemas s
+                                   WHERE s.aggregate_type = emit_event.aggregate_type AND s.event_type = emit_event.event_type)
+                     THEN (SELECT emit_event.payload
+                             FROM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                                       emit_event.schema_version, emit_event.payload))
+                     ELSE emit_event.payload END,
+                emit_event.headers, emit_event.topic,
+                outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id))
+        RETURNING events.event_id, events.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq;
+        IF emit_event.expected_seq IS NULL THEN
+            RETURN;
+        END IF;
+        latest := emit_event.aggregate_seq - 1;
+    END IF;
+
+    IF latest IS NULL THEN
+        SELECT * INTO refusal
+          FROM outbox.check_emit(emit_event.aggregate_type, emit_event.aggregate_id, emit_event.event_type,
+                                 emit_event.payload, emit_event.headers, emit_event.schema_version,
+                                 emit_event.expected_seq, emit_event.idempotency_key, emit_event.topic);
+        IF refusal.refused_sqlstate IS NOT NULL THEN
+            RAISE EXCEPTION USING ERRCODE = refusal.refused_sqlstate, MESSAGE = refusal.refused_message,
+                                  HINT = refusal.refused_hint;
+        END IF;
+        PERFORM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
+                                     emit_event.schema_version, emit_event.payload);
+
+        -- Valid, with an idempotency key, a snapshot older than the
+        -- statement (REPEATABLE READ, SERIALIZABLE), headers or a topic:
+        -- anything the common call above does not take.
+        latest := outbox.lock_aggregate(emit_event.aggregate_type, emit_event.aggregate_id);
+        emit_event.event_id := outbox.uuid_v7();
+        emit_event.aggregate_seq := latest + 1;
+        IF emit_event.idempotency_key IS NOT NULL THEN
+            -- Claimed under the number this event would get; a claim that
+            -- exists already answers the call with its event. A concurrent
+            -- call with the same key waits here for the first one's
+            -- transaction.
+            INSERT INTO outbox.idempotency_keys (aggregate_type, idempotency_key, event_id, aggregate_id, aggregate_seq)
+            VALUES (emit_event.aggregate_type, emit_event.idempotency_key, emit_event.event_id,
+                    emit_event.aggregate_id, emit_event.aggregate_seq)
+            ON CONFLICT (aggregate_type, idempotency_key) DO NOTHING;
+            IF NOT FOUND THEN
+                SELECT k.event_id, k.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq
+                  FROM outbox.idempotency_keys k
+                 WHERE k.aggregate_type = emit_event.aggregate_type AND k.idempotency_key = emit_event.idempotency_key;
+                emit_event.replayed := true;
+                RETURN;
+            END IF;
+        END IF;
+        BEGIN
+            INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
+                                       schema_version, payload, headers, topic, aggregate_hash)
+            VALUES (emit_event.event_id, emit_event.aggregate_type, emit_event.aggregate_id, emit_event.aggregate_seq,
+                    emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers,
+                    emit_event.topic, outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id));
+        EXCEPTION WHEN unique_violation THEN
+            -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate
+            -- an event of this aggregate that committed since: its number is
+            -- taken, and the transaction must retry. (Under READ COMMITTED
+            -- the lock rules this out.)
+            RAISE EXCEPTION 'could not serialize access: aggregate % % has events committed after this transaction''s snapshot',
+                    emit_event.aggregate_type, quote_literal(emit_event.aggregate_id)
+                USING ERRCODE = 'serialization_failure',
+                      HINT = 'Retry the transaction, or emit in READ COMMITTED (the C extension numbers after them).';
+        END;
+    END IF;
+
+    -- Checked after the insert, which the error takes back with it.
+    IF emit_event.expected_seq IS NOT NULL AND emit_event.expected_seq <> latest THEN
+        RAISE EXCEPTION 'sequence conflict on % %: expected %, actual %',
+                emit_event.aggregate_type, quote_literal(emit_event.aggregate_id), emit_event.expected_seq, latest
+            USING ERRCODE = 'PO101',
+                  DETAIL = format('expected_seq=%s actual_seq=%s', emit_event.expected_seq, latest),
+                  HINT = 'Another writer changed the aggregate: reload it, decide again, and retry with the new sequence.';
+    END IF;
+END
+$$;
+
+-- A shard's publication: the inserts of the events whose aggregate_hash %
+-- shards = shard. One that exists with another row filter is refused, so a
+-- forwarder never streams a shard it was not given.
+CREATE FUNCTION outbox.ensure_shard_publication(name text, shard integer, shards integer) RETURNS void
+LANGUAGE plpgsql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    wanted text := format('((aggregate_hash %% %s) = %s)', shards, shard);
+    found text;
+BEGIN
+    IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
+        RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
+            USING ERRCODE = 'PO002', HINT = 'Use 1 to 63 characters of a-z, 0-9 and _.';
+    END IF;
+    IF shards IS NULL OR shards < 1 OR shards > 1024 OR shard IS NULL OR shard < 0 OR shard >= shards THEN
+        RAISE EXCEPTION 'shard %/% is out of range', coalesce(shard::text, 'NULL'), coalesce(shards::text, 'NULL')
+            USING ERRCODE = 'PO007', HINT = 'shards is 1 to 1024, and shard 0 to shards - 1.';
+    END IF;
+    SELECT coalesce(pg_get_expr(r.prqual, r.prrelid), '') INTO found
+      FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid
+     WHERE p.pubname = name AND r.prrelid = 'outbox.events'::regclass;
+    IF NOT FOUND THEN
+        IF EXISTS (SELECT 1 FROM pg_publication WHERE pubname = name) THEN
+            RAISE EXCEPTION 'publication % exists but does not publish outbox.events', quote_ident(name)
+                USING ERRCODE = 'PO013', HINT = 'Give the shard a publication name of its own.';
+        END IF;
+        EXECUTE format('CREATE PUBLICATION %I FOR TABLE outbox.events WHERE (aggregate_hash %% %s = %s) WITH (publish = %L)',
+                       name, shards, shard, 'insert');
+    ELSIF found <> wanted THEN
+        RAISE EXCEPTION 'publication % filters outbox.events by % instead of shard %/%''s %',
+                quote_ident(name), coalesce(nullif(found, ''), 'nothing'), shard, shards, wanted
+            USING ERRCODE = 'PO013',
+                  HINT = 'Each shard of each layout has a publication of its own: drop this one (outbox-forwarder publication drop) or name another.';
+    END IF;
+END
+$$;
+COMMENT ON FUNCTION outbox.ensure_shard_publication(text, integer, integer) IS
+    'Creates the publication of one shard (the events whose aggregate_hash % shards = shard) if missing; refuses one with another filter.';
+
+-- Which shard a sharded forwarder's slot carries, for status().
+CREATE FUNCTION outbox.record_relay_shard(slot_name name, shard integer, shards integer) RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO outbox.relay_shards AS s (slot_name, shard, shards) VALUES ($1, $2, $3)
+    ON CONFLICT ON CONSTRAINT relay_shards_pkey DO UPDATE SET shard = EXCLUDED.shard, shards = EXCLUDED.shards
+     WHERE (s.shard, s.shards) IS DISTINCT FROM (EXCLUDED.shard, EXCLUDED.shards);
+$$;
+COMMENT ON FUNCTION outbox.record_relay_shard(name, integer, integer) IS
+    'Called by a sharded outbox-forwarder as it starts: the shard its slot carries.';
+
+CREATE FUNCTION outbox.forget_relay_shard(slot_name name) RETURNS void
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    DELETE FROM outbox.relay_shards WHERE relay_shards.slot_name = $1;
+$$;
+COMMENT ON FUNCTION outbox.forget_relay_shard(name) IS
+    'Called by outbox-forwarder slot drop: the slot no longer carries a shard.';
+
+-- status() gains the shard of each slot.
+DROP FUNCTION outbox.status();
+CREATE FUNCTION outbox.status()
+RETURNS TABLE (
+    slot_name              name,
+    active                 boolean,
+    caught_up              boolean,
+    confirmed_lsn          pg_lsn,
+    lag_bytes              bigint,
+    retained_wal_bytes     bigint,
+    wal_status             text,
+    unforwarded_events     bigint,
+    oldest_unforwarded_age interval,
+    progress_age           interval,
+    estimated_events       bigint,
+    shard                  integer,
+    shards                 integer
+)
+LANGUAGE sql STABLE PARALLEL SAFE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT s.slot_name, s.active, p.caught_up_at IS NOT NULL, s.confirmed_flush_lsn,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
+           pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+           s.wal_status,
+           u.n, now() - u.oldest,
+           now() - p.updated_at,
+           (SELECT greatest(c.reltuples, 0)::bigint FROM pg_class c WHERE c.oid = 'outbox.events'::regclass),
+           h.shard, h.shards
+      FROM pg_replication_slots s
+      LEFT JOIN outbox.relay_progress p ON p.slot_name = s.slot_name
+      LEFT JOIN outbox.relay_shards h ON h.slot_name = s.slot_name
+      LEFT JOIN LATERAL (
+          -- Events not in the slot's safe snapshot: committed later, or not
+          -- yet known to be confirmed (an upper bound, about a second behind);
+          -- of a sharded slot, those of its shard.
+          SELECT count(*) AS n, min(e.occurred_at) AS oldest
+            FROM outbox.events e
+           WHERE p.safe_snapshot IS NOT NULL
+             AND e.txid >= pg_snapshot_xmin(p.safe_snapshot)
+             AND NOT pg_visible_in_snapshot(e.txid, p.safe_snapshot)
+             AND (h.shards IS NULL
+                  OR coalesce(e.aggregate_hash, outbox.aggregate_hash(e.aggregate_type, e.aggregate_id)) % h.shards = h.shard)
+      ) u ON true
+     WHERE s.database = current_database() AND s.plugin = 'pgoutput';
+$$;
+COMMENT ON FUNCTION outbox.status() IS
+    'Per forwarder slot: active, caught up, lag and retained WAL in bytes, events not yet forwarded and the age of the oldest, and the shard it carries.';
+
+REVOKE ALL ON FUNCTION outbox.ensure_shard_publication(text, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.record_relay_shard(name, integer, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.forget_relay_shard(name) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox.status() FROM PUBLIC;
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.ensure_shard_publication(text, integer, integer)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.record_relay_shard(name, integer, integer)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.forget_relay_shard(name)');
+CALL outbox.grant_to('relay', 'EXECUTE ON FUNCTION outbox.status()');
+COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.8.0';
+SELECT 'pg_outbox SQL edition 0.8.0' AS pg_outbox_installed \gset
+\endif
+
+COMMENT ON SCHEMA outbox IS 'pg_outbox SQL edition 0.8.0';
 COMMIT;

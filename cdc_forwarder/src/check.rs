@@ -195,17 +195,38 @@ fn extension(outbox: &Outbox, config: &Config) -> Check {
 }
 
 async fn publication(client: &tokio_postgres::Client, config: &Config) -> Check {
-    match publication::exists(client, &config.publication).await {
-        Ok(true) => Check::ok("publication", format!("{} exists", config.publication)),
-        Ok(false) if config.create_missing => Check::ok(
-            "publication",
-            format!("{} will be created on start", config.publication),
-        ),
-        Ok(false) => Check::fail(
+    let name = &config.publication;
+    let carries = match config.shard {
+        Some(shard) => format!("shard {shard}"),
+        None => "every event".to_owned(),
+    };
+    let exists = match publication::exists(client, name).await {
+        Ok(exists) => exists,
+        Err(e) => return Check::fail("publication", e.to_string()),
+    };
+    if !exists {
+        return if config.create_missing {
+            Check::ok(
+                "publication",
+                format!("{name} will be created on start ({carries})"),
+            )
+        } else {
+            Check::fail(
+                "publication",
+                format!("{name} is missing; run outbox-forwarder publication create"),
+            )
+        };
+    }
+    let wanted = config.shard.map(|s| s.row_filter());
+    match publication::row_filter(client, name).await {
+        Ok(filter) if filter == wanted => {
+            Check::ok("publication", format!("{name} exists ({carries})"))
+        }
+        Ok(filter) => Check::fail(
             "publication",
             format!(
-                "{} is missing; run outbox-forwarder publication create",
-                config.publication
+                "{name} filters outbox.events by {}, but this forwarder carries {carries}; give it a publication of its own",
+                filter.as_deref().unwrap_or("nothing")
             ),
         ),
         Err(e) => Check::fail("publication", e.to_string()),

@@ -70,7 +70,7 @@ pub async fn slot(config: Config, action: Action) -> Result<(), Error> {
             let failover = slot::wants_failover(&client, config.failover_slot).await?;
             slot::create_slot(&client, &config.slot, failover).await?;
         }
-        Action::Drop => slot::drop_slot(&client, &config.slot).await?,
+        Action::Drop => slot::remove(&client, &config.slot).await?,
     }
     println!("slot {}: {}", config.slot, done(action));
     Ok(())
@@ -81,12 +81,7 @@ pub async fn publication(config: Config, action: Action) -> Result<(), Error> {
     let client = database::connect(&config.postgres).await?;
     match action {
         Action::Create => {
-            client
-                .execute(
-                    "SELECT outbox.ensure_publication($1)",
-                    &[&config.publication],
-                )
-                .await?;
+            publication::ensure(&client, &config.publication, config.shard).await?;
         }
         Action::Drop => publication::drop(&client, &config.publication).await?,
     }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 pub use crate::pg_target::{PgTarget, PgTls, SslMode};
 use crate::routing::{is_valid_topic, Router, ValueFormat};
+use crate::shard::Shard;
 
 /// The delivery guarantee.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -124,8 +125,11 @@ pub struct Config {
     pub poll: PollSettings,
     pub postgres: PgTarget,
     pub kafka_bootstrap: String,
+    /// The slot and the publication, of the shard when there is one.
     pub slot: String,
     pub publication: String,
+    /// The shard this forwarder carries; `None`: every event.
+    pub shard: Option<Shard>,
     /// Create the publication and the slot when they are missing.
     pub create_missing: bool,
     /// On PostgreSQL 17 and later, create the slot as a failover slot.
@@ -459,6 +463,11 @@ impl Config {
                 ));
             }
             self.poll.validate()?;
+            if self.shard.is_some() {
+                return Err(Error::Config(
+                    "--shard splits the slot's stream; polling relays share the aggregates among themselves (leave --shard out with --source poll)".into(),
+                ));
+            }
         }
         self.refuse_contradicting_kafka_properties()?;
         if self.kafka_bootstrap.trim().is_empty() {
@@ -473,8 +482,13 @@ impl Config {
                     .bytes()
                     .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
             if !ok {
+                let sharded = if self.shard.is_some() {
+                    ", the shard's suffix included"
+                } else {
+                    ""
+                };
                 return Err(Error::Config(format!(
-                    "{what} name {name:?} is not valid; use 1 to 63 characters of a-z, 0-9 and _"
+                    "{what} name {name:?} is not valid; use 1 to 63 characters of a-z, 0-9 and _{sharded}"
                 )));
             }
         }

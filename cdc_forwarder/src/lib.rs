@@ -55,6 +55,7 @@ pub mod redrive;
 pub mod replay;
 pub(crate) mod replication;
 pub mod routing;
+pub mod shard;
 pub(crate) mod sink;
 pub mod slot;
 pub(crate) mod source;

@@ -23,6 +23,7 @@ use crate::config::{
 };
 use crate::error::{Error, Result};
 use crate::routing::{ValueFormat, DEFAULT_TOPIC_TEMPLATE};
+use crate::shard::Shard;
 
 /// The options; no `Debug`, since two of them may hold passwords.
 #[derive(Args, Clone)]
@@ -65,6 +66,12 @@ pub struct Options {
     /// Publication on outbox.events.
     #[arg(long, env = "OUTBOX_PUBLICATION", default_value = "pg_outbox")]
     pub publication: String,
+    /// Forward one shard of the outbox, INDEX/COUNT (0/2 is the first of
+    /// two): the events whose aggregate's hash is INDEX modulo COUNT, through
+    /// the slot and publication named with _INDEX_of_COUNT appended, one
+    /// forwarder per shard. Needs pg_outbox 0.8.0; slot source only.
+    #[arg(long, env = "OUTBOX_SHARD")]
+    pub shard: Option<Shard>,
     /// Topic for an event without an override; {aggregate_type} is replaced.
     #[arg(long, env = "OUTBOX_TOPIC_TEMPLATE", default_value = DEFAULT_TOPIC_TEMPLATE)]
     pub topic_template: String,
@@ -189,6 +196,7 @@ impl Options {
             Error::Config("no Kafka bootstrap servers: pass --kafka-bootstrap, set OUTBOX_KAFKA_BOOTSTRAP, or kafka_bootstrap in the config file".into())
         })?;
         let protocol = self.kafka_security_protocol;
+        let suffix = self.shard.map(|s| s.suffix()).unwrap_or_default();
         let config = Config {
             source: self.source,
             poll: PollSettings {
@@ -202,8 +210,9 @@ impl Options {
             },
             postgres: PgTarget::parse(postgres_url)?,
             kafka_bootstrap: kafka_bootstrap.to_owned(),
-            slot: self.slot,
-            publication: self.publication,
+            slot: format!("{}{suffix}", self.slot),
+            publication: format!("{}{suffix}", self.publication),
+            shard: self.shard,
             create_missing: !self.no_create,
             failover_slot: !self.no_failover_slot,
             topic_template: self.topic_template,

@@ -42,6 +42,7 @@ use crate::poll::{self, PollSource};
 use crate::producer::{is_fenced, Producer};
 use crate::replication::{CreatedSlot, ReplicationStream};
 use crate::routing::Router;
+use crate::shard::Shard;
 use crate::sink::{
     transactional::Batching, AtLeastOnce, Publisher, Sink, Transactional, DRAIN_TIMEOUT,
 };
@@ -174,9 +175,13 @@ async fn session(
                 &sql,
                 config.postgres.dbname(),
                 &config.publication,
+                config.shard,
                 config.create_missing,
             )
-            .await?
+            .await?;
+            if let Some(shard) = config.shard {
+                progress::record_shard(&sql, &config.slot, shard).await?;
+            }
         }
         SourceKind::Poll => poll::prepare(&sql).await?,
     }
@@ -485,7 +490,7 @@ impl<'a> Session<'a> {
             .horizon_in_kafka()
             .filter(|h| recorded_here(h, &origin));
         let base = horizon.as_ref().map(|h| h.base.to_string());
-        let query = catch_up_query(polling_enabled(&tx).await?);
+        let query = catch_up_query(polling_enabled(&tx).await?, self.config.shard);
         let portal = tx.bind(&query, &[&base, &safe]).await?;
         sink.begin(None);
         let mut count = 0u64;
@@ -544,10 +549,11 @@ fn recorded_here(horizon: &Horizon, origin: &str) -> bool {
 }
 
 /// The catch-up's query: the events of transactions that neither Kafka's
-/// horizon ($1) nor the safe snapshot ($2) shows, in aggregate order. Where
-/// polling relays run, only what is still pending: they published the rest,
-/// and a slot that takes over from them starts where they are.
-fn catch_up_query(polled: bool) -> String {
+/// horizon ($1) nor the safe snapshot ($2) shows, in aggregate order; of a
+/// sharded forwarder, those of its shard. Where polling relays run, only
+/// what is still pending: they published the rest, and a slot that takes
+/// over from them starts where they are.
+fn catch_up_query(polled: bool, shard: Option<Shard>) -> String {
     if polled {
         tracing::info!("polling is enabled: the catch-up delivers only the events still pending");
     }
@@ -557,11 +563,14 @@ fn catch_up_query(polled: bool) -> String {
     } else {
         ""
     };
+    let in_shard = shard
+        .map(|s| format!("AND {}", s.condition()))
+        .unwrap_or_default();
     format!(
         "SELECT {EVENT_COLUMNS}, e.txid::text::bigint FROM outbox.events e \
           WHERE NOT coalesce(pg_visible_in_snapshot(e.txid, $1::text::pg_snapshot), false) \
             AND NOT coalesce(pg_visible_in_snapshot(e.txid, $2::text::pg_snapshot), false) \
-            {only_pending} \
+            {only_pending} {in_shard} \
           ORDER BY aggregate_type, aggregate_id, aggregate_seq"
     )
 }

@@ -1,12 +1,14 @@
 //! What the forwarder records of each slot in the database
 //! (`outbox.relay_progress`): the confirmed position, whether the first-start
-//! catch-up finished and the safe snapshot it left; and the session lock
+//! catch-up finished and the safe snapshot it left; the shard a sharded
+//! forwarder's slot carries (`outbox.relay_shards`); and the session lock
 //! that lets one instance at a time create the slot and catch up.
 
 use tokio_postgres::Client;
 
 use crate::error::Result;
 use crate::lsn::Lsn;
+use crate::shard::Shard;
 
 /// Whether this slot's first-start catch-up has completed (recorded by the
 /// forwarder in `outbox.relay_progress`).
@@ -71,6 +73,30 @@ pub async fn safe_snapshot(client: &Client, slot: &str) -> Result<Option<String>
 pub async fn forget(client: &Client, slot: &str) -> Result<()> {
     client
         .execute("SELECT outbox.forget_relay($1)", &[&slot])
+        .await?;
+    Ok(())
+}
+
+/// Records which shard the slot carries, for `outbox.status()`.
+pub async fn record_shard(client: &Client, slot: &str, shard: Shard) -> Result<()> {
+    client
+        .execute(
+            "SELECT outbox.record_relay_shard($1, $2, $3)",
+            &[&slot, &(shard.index as i32), &(shard.count as i32)],
+        )
+        .await?;
+    Ok(())
+}
+
+/// Forgets the shard of a dropped slot (pg_outbox 0.8.0 on; before, there
+/// is none to forget).
+pub async fn forget_shard(client: &Client, slot: &str) -> Result<()> {
+    client
+        .execute(
+            "SELECT outbox.forget_relay_shard($1) \
+              WHERE to_regprocedure('outbox.forget_relay_shard(name)') IS NOT NULL",
+            &[&slot],
+        )
         .await?;
     Ok(())
 }

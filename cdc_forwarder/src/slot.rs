@@ -87,6 +87,12 @@ pub async fn drop_slot(client: &Client, slot: &str) -> Result<()> {
     crate::progress::forget(client, slot).await
 }
 
+/// `slot drop`: drops the slot and forgets its catch-up and its shard.
+pub async fn remove(client: &Client, slot: &str) -> Result<()> {
+    drop_slot(client, slot).await?;
+    crate::progress::forget_shard(client, slot).await
+}
+
 /// The slot's lag, retained WAL and `wal_status`; `None` without the slot.
 pub async fn wal_figures(client: &Client, slot: &str) -> Result<Option<WalFigures>> {
     let row = client

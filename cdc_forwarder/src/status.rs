@@ -25,6 +25,8 @@ pub struct SlotStatus {
     /// whether it is a standby's synchronised copy.
     pub failover: Option<bool>,
     pub synced: Option<bool>,
+    /// The shard the slot carries, `INDEX/COUNT` (pg_outbox 0.8.0 on).
+    pub shard: Option<String>,
 }
 
 /// Polling relays, as `outbox.poll_status()` reports them.
@@ -69,7 +71,8 @@ pub async fn collect(config: &Config) -> Result<Status> {
         .query(
             "SELECT s.slot_name::text, s.active, s.caught_up, s.confirmed_lsn::text, s.lag_bytes, s.retained_wal_bytes, \
                     s.unforwarded_events, extract(epoch FROM s.oldest_unforwarded_age)::float8, \
-                    r.wal_status, (to_jsonb(r) ->> 'failover')::bool, (to_jsonb(r) ->> 'synced')::bool \
+                    r.wal_status, (to_jsonb(r) ->> 'failover')::bool, (to_jsonb(r) ->> 'synced')::bool, \
+                    (to_jsonb(s) ->> 'shard') || '/' || (to_jsonb(s) ->> 'shards') \
                FROM outbox.status() s LEFT JOIN pg_replication_slots r ON r.slot_name = s.slot_name \
               ORDER BY s.slot_name",
             &[],
@@ -89,6 +92,7 @@ pub async fn collect(config: &Config) -> Result<Status> {
             wal_status: r.get(8),
             failover: r.get(9),
             synced: r.get(10),
+            shard: r.get(11),
         })
         .collect::<Vec<_>>();
     let outbox = database::probe(&client).await?;
@@ -217,6 +221,7 @@ impl Status {
                 "wal_status": s.wal_status,
                 "failover": s.failover,
                 "synced": s.synced,
+                "shard": s.shard,
             })).collect::<Vec<_>>(),
             "warnings": self.warnings,
         })
@@ -225,7 +230,7 @@ impl Status {
     /// A table for people.
     pub fn to_table(&self) -> String {
         let mut out = format!(
-            "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12} {:<10} {:<8}\n",
+            "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12} {:<10} {:<8} {:<6}\n",
             "slot",
             "active",
             "caught_up",
@@ -235,7 +240,8 @@ impl Status {
             "unforwarded",
             "oldest_age_s",
             "wal_status",
-            "failover"
+            "failover",
+            "shard"
         );
         let show = |v: Option<i64>| v.map_or("-".to_owned(), |v| v.to_string());
         for s in &self.slots {
@@ -246,7 +252,7 @@ impl Status {
                 (Some(true), _) => "yes",
             };
             out.push_str(&format!(
-                "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12} {:<10} {:<8}\n",
+                "{:<24} {:<7} {:<9} {:<14} {:>12} {:>14} {:>12} {:>12} {:<10} {:<8} {:<6}\n",
                 s.slot,
                 s.active,
                 s.caught_up,
@@ -258,6 +264,7 @@ impl Status {
                     .map_or("-".to_owned(), |v| format!("{v:.1}")),
                 s.wal_status.as_deref().unwrap_or("-"),
                 failover,
+                s.shard.as_deref().unwrap_or("-"),
             ));
         }
         if let Some(p) = &self.polling {

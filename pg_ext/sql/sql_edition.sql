@@ -101,7 +101,7 @@ BEGIN
         -- statement of its own would.
         PERFORM pg_advisory_xact_lock(hashtext(emit_event.aggregate_type), hashtext(emit_event.aggregate_id));
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                   schema_version, payload, headers, topic)
+                                   schema_version, payload, headers, topic, aggregate_hash)
         VALUES (outbox.uuid_v7(), emit_event.aggregate_type, emit_event.aggregate_id,
                 coalesce((SELECT e.aggregate_seq FROM outbox.events e
                            WHERE e.aggregate_type = emit_event.aggregate_type AND e.aggregate_id = emit_event.aggregate_id
@@ -116,7 +116,8 @@ BEGIN
                              FROM outbox.check_payload(emit_event.aggregate_type, emit_event.event_type,
                                                        emit_event.schema_version, emit_event.payload))
                      ELSE emit_event.payload END,
-                emit_event.headers, emit_event.topic)
+                emit_event.headers, emit_event.topic,
+                outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id))
         RETURNING events.event_id, events.aggregate_seq INTO emit_event.event_id, emit_event.aggregate_seq;
         IF emit_event.expected_seq IS NULL THEN
             RETURN;
@@ -161,10 +162,10 @@ BEGIN
         END IF;
         BEGIN
             INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                       schema_version, payload, headers, topic)
+                                       schema_version, payload, headers, topic, aggregate_hash)
             VALUES (emit_event.event_id, emit_event.aggregate_type, emit_event.aggregate_id, emit_event.aggregate_seq,
                     emit_event.event_type, emit_event.schema_version, emit_event.payload, emit_event.headers,
-                    emit_event.topic);
+                    emit_event.topic, outbox.aggregate_hash(emit_event.aggregate_type, emit_event.aggregate_id));
         EXCEPTION WHEN unique_violation THEN
             -- Under REPEATABLE READ or SERIALIZABLE the snapshot may predate
             -- an event of this aggregate that committed since: its number is

@@ -130,9 +130,10 @@ impl Call {
 }
 
 /// The columns of `outbox.events` in order, with their types; the first
-/// nine are the values of the insert, the last two are filled as their
-/// defaults (`clock_timestamp()`, `pg_current_xact_id()`) would.
-const EVENT_COLUMNS: [(&CStr, Oid); 11] = [
+/// nine are the values of the insert, the next two are filled as their
+/// defaults (`clock_timestamp()`, `pg_current_xact_id()`) would, and the
+/// last, added in 0.8.0, is the aggregate's hash.
+const EVENT_COLUMNS: [(&CStr, Oid); 12] = [
     (c"event_id", pg_sys::UUIDOID),
     (c"aggregate_type", TEXT),
     (c"aggregate_id", TEXT),
@@ -144,6 +145,7 @@ const EVENT_COLUMNS: [(&CStr, Oid); 11] = [
     (c"topic", TEXT),
     (c"occurred_at", pg_sys::TIMESTAMPTZOID),
     (c"txid", pg_sys::XID8OID),
+    (c"aggregate_hash", pg_sys::INT4OID),
 ];
 
 mod guards;
@@ -251,9 +253,16 @@ fn emit(fcinfo: pg_sys::FunctionCallInfo, call: Call) -> Result<Datum, Refusal> 
         }
     }
     let row = call.row(event_id, seq);
-    if !(DIRECT_INSERT.get() && insert_direct(&row)) {
+    let hashed = catalog().hashed;
+    // SAFETY: both are text datums of this call.
+    let hash = hashed.then(|| unsafe { crate::aggregate_hash::of_text(aggregate_type, aggregate_id) });
+    if !(DIRECT_INSERT.get() && insert_direct(&row, hash)) {
         spi.connect();
-        execute(&spi, plans(&spi).insert, &row);
+        let mut args = [None; 10];
+        args[..9].copy_from_slice(&row);
+        args[9] = hash.map(Datum::from);
+        let args = if hashed { &args[..] } else { &args[..9] };
+        execute(&spi, insert_plan(&spi, hashed), args);
     }
     spi.finish();
     Ok(result(

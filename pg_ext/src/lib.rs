@@ -18,6 +18,7 @@ use pgrx::prelude::*;
 
 ::pgrx::pg_module_magic!(name, version);
 
+mod aggregate_hash;
 mod contracts;
 mod datum;
 mod emit;

@@ -14,6 +14,7 @@ CREATE TABLE outbox.events (
     topic          text,
     occurred_at    timestamptz NOT NULL DEFAULT pg_catalog.clock_timestamp(),
     txid           xid8        NOT NULL DEFAULT pg_catalog.pg_current_xact_id(),
+    aggregate_hash integer,
     -- The key of an event, and the index its aggregate's newest sequence is
     -- read from. Event ids are unique by construction (version 7 UUIDs).
     CONSTRAINT events_aggregate_seq_key UNIQUE (aggregate_type, aggregate_id, aggregate_seq)
@@ -31,6 +32,7 @@ COMMENT ON COLUMN outbox.events.headers IS 'Extra Kafka headers: a JSON object o
 COMMENT ON COLUMN outbox.events.topic IS 'Topic that overrides the forwarder''s template for this event.';
 COMMENT ON COLUMN outbox.events.occurred_at IS 'When emit_event ran.';
 COMMENT ON COLUMN outbox.events.txid IS 'The writing transaction.';
+COMMENT ON COLUMN outbox.events.aggregate_hash IS 'outbox.aggregate_hash of the aggregate, set at emit: a sharded forwarder''s shard is aggregate_hash % shards (NULL for events stored before 0.8.0).';
 
 CREATE FUNCTION outbox.refuse_event_change() RETURNS trigger
 LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
@@ -83,6 +85,17 @@ CREATE TABLE outbox.relay_progress (
 );
 COMMENT ON TABLE outbox.relay_progress IS 'Per slot: first-start catch-up done and last confirmed position, recorded by outbox-forwarder.';
 
+-- The shard of each sharded forwarder's slot, recorded when it starts: its
+-- publication carries the events whose aggregate_hash % shards = shard.
+-- Kept while the slot is recreated; dropped with the slot.
+CREATE TABLE outbox.relay_shards (
+    slot_name name    NOT NULL PRIMARY KEY,
+    shard     integer NOT NULL,
+    shards    integer NOT NULL,
+    CHECK (shard >= 0 AND shard < shards)
+);
+COMMENT ON TABLE outbox.relay_shards IS 'Per sharded forwarder slot: which shard of how many it carries, recorded by outbox-forwarder.';
+
 CREATE TABLE outbox.inbox_consumers (
     consumer   text        COLLATE "C" NOT NULL PRIMARY KEY,
     owner      name        NOT NULL,
@@ -111,8 +124,8 @@ CREATE TABLE outbox.inbox_positions (
 COMMENT ON TABLE outbox.inbox_positions IS 'Highest sequence each consumer has processed per aggregate.';
 
 REVOKE ALL ON outbox.events, outbox.sequence_floors, outbox.idempotency_keys, outbox.relay_progress,
-              outbox.inbox_consumers, outbox.inbox, outbox.inbox_positions FROM PUBLIC;
+              outbox.relay_shards, outbox.inbox_consumers, outbox.inbox, outbox.inbox_positions FROM PUBLIC;
 REVOKE ALL ON FUNCTION outbox.refuse_event_change() FROM PUBLIC;
 -- The forwarder reads events for its first-start catch-up, and its progress.
-CALL outbox.grant_to('relay', 'SELECT ON outbox.events, outbox.relay_progress');
+CALL outbox.grant_to('relay', 'SELECT ON outbox.events, outbox.relay_progress, outbox.relay_shards');
 

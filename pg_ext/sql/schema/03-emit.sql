@@ -119,6 +119,20 @@ $$;
 -- src/lib.rs before this file runs.
 --@end
 
+-- Where an aggregate lives when the outbox is split into shards: the first
+-- 31 bits of the SHA-256 of its type and id in UTF-8, joined by a zero byte
+-- (which text cannot hold). Stored with every event at emit (emit_event's C
+-- code computes the same), so that a shard's publication can filter on
+-- aggregate_hash % shards, and no later change of PostgreSQL's own hash
+-- functions or of the number of shards moves an aggregate's stored events.
+CREATE FUNCTION outbox.aggregate_hash(aggregate_type text, aggregate_id text) RETURNS integer
+LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE
+RETURN ('x' || pg_catalog.encode(pg_catalog.substr(pg_catalog.sha256(
+            pg_catalog.convert_to(aggregate_type, 'UTF8') || pg_catalog.decode('00', 'hex')
+            || pg_catalog.convert_to(aggregate_id, 'UTF8')), 1, 4), 'hex'))::bit(32)::integer & 2147483647;
+COMMENT ON FUNCTION outbox.aggregate_hash(text, text) IS
+    'The aggregate''s hash that shards split on (0 to 2^31-1): stored in outbox.events.aggregate_hash by every emit.';
+
 -- The sequence primitive: a transaction-scoped advisory lock on the
 -- aggregate, then its newest sequence read with the latest snapshot.
 --@c-function lock_aggregate
@@ -214,10 +228,11 @@ BEGIN
             ON b.t = x.value->>'aggregate_type' AND b.i = x.value->>'aggregate_id'
     ), ins AS (
         INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq, event_type,
-                                   schema_version, payload, headers, topic)
+                                   schema_version, payload, headers, topic, aggregate_hash)
         SELECT s.id, s.v->>'aggregate_type', s.v->>'aggregate_id', s.seq, s.v->>'event_type',
                coalesce((s.v->>'schema_version')::integer, 1), s.v->'payload',
-               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic'
+               nullif(s.v->'headers', 'null'::jsonb), s.v->>'topic',
+               outbox.aggregate_hash(s.v->>'aggregate_type', s.v->>'aggregate_id')
           FROM src s ORDER BY s.ord
         RETURNING 1
     )

@@ -15,9 +15,13 @@ use super::*;
 /// It stays while `bench/emit.sh --direct-insert`, which runs emit_event
 /// with and without it (`pg_outbox.direct_insert`) in the same rounds,
 /// measures it at 1.03 or more (docs/src/benchmarks.md has the figure).
-pub(super) fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
+///
+/// `hash` is the aggregate's hash, where the table has the column (0.8.0
+/// on); the table without it is the layout of the releases before.
+pub(super) fn insert_direct(row: &[Option<Datum>; 9], hash: Option<i32>) -> bool {
     let rel = Opened::table(catalog().events.table, pg_sys::RowExclusiveLock);
-    if !plain_table(&rel) {
+    let columns = columns(hash.is_some());
+    if !plain_table(&rel, columns) {
         return false;
     }
     let Some(indexes) = open_plain_indexes(&rel) else {
@@ -34,11 +38,14 @@ pub(super) fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
         values[9] = Datum::from(pg_sys::GetCurrentTimestamp());
         values[10] = Datum::from(pg_sys::GetTopFullTransactionId().value);
     }
+    if let Some(hash) = hash {
+        values[11] = Datum::from(hash);
+    }
     // SAFETY: the relation is open; plain_table checked that its
     // descriptor has the EVENT_COLUMNS, which values and nulls fill.
     unsafe {
         let desc = (*rel.relation).rd_att;
-        let attrs = attributes(desc, EVENT_COLUMNS.len());
+        let attrs = attributes(desc, columns.len());
         if attrs
             .iter()
             .zip(nulls)
@@ -91,11 +98,21 @@ pub(super) fn insert_direct(row: &[Option<Datum>; 9]) -> bool {
 #[cfg(any(test, feature = "pg_test"))]
 pub(crate) fn takes_direct_insert() -> bool {
     let rel = Opened::table(catalog().events.table, pg_sys::AccessShareLock);
-    plain_table(&rel) && open_plain_indexes(&rel).is_some()
+    plain_table(&rel, columns(catalog().hashed)) && open_plain_indexes(&rel).is_some()
 }
 
-/// Whether the table is the plain events table of [`EVENT_COLUMNS`].
-pub(super) fn plain_table(rel: &Opened) -> bool {
+/// The columns of the events table: all of [`EVENT_COLUMNS`], or without
+/// the last (aggregate_hash), as before 0.8.0.
+fn columns(hashed: bool) -> &'static [(&'static CStr, Oid)] {
+    if hashed {
+        &EVENT_COLUMNS
+    } else {
+        &EVENT_COLUMNS[..EVENT_COLUMNS.len() - 1]
+    }
+}
+
+/// Whether the table is the plain events table of exactly `columns`.
+pub(super) fn plain_table(rel: &Opened, columns: &[(&CStr, Oid)]) -> bool {
     // SAFETY: the relation is open: its relcache entry, descriptor,
     // constraints and triggers are valid while it is.
     unsafe {
@@ -116,8 +133,8 @@ pub(super) fn plain_table(rel: &Opened) -> bool {
                     || (*triggers).trig_insert_before_statement
                     || (*triggers).trig_insert_after_statement
                     || (*triggers).trig_insert_new_table))
-            && attrs.len() == EVENT_COLUMNS.len()
-            && attrs.iter().zip(EVENT_COLUMNS).all(|(a, (name, type_))| {
+            && attrs.len() == columns.len()
+            && attrs.iter().zip(columns).all(|(a, &(name, type_))| {
                 let name = name.to_bytes_with_nul();
                 !a.attisdropped
                     && a.atttypid == type_

@@ -8,7 +8,59 @@ use super::*;
 pub(super) struct Plans {
     pub(super) claim_key: pg_sys::SPIPlanPtr,
     pub(super) first_for_key: pg_sys::SPIPlanPtr,
-    pub(super) insert: pg_sys::SPIPlanPtr,
+    /// The event insert without 0.8.0's aggregate_hash, and with it: each
+    /// prepared when first used, since the table has one layout or the other.
+    insert: Option<pg_sys::SPIPlanPtr>,
+    insert_hashed: Option<pg_sys::SPIPlanPtr>,
+}
+
+/// The parameters of the event insert: the columns of [`EVENT_COLUMNS`]
+/// that emit_event gives, then aggregate_hash where the table has it.
+const INSERT_TYPES: [Oid; 10] = [
+    pg_sys::UUIDOID,
+    TEXT,
+    TEXT,
+    INT8,
+    TEXT,
+    pg_sys::INT4OID,
+    pg_sys::JSONBOID,
+    pg_sys::JSONBOID,
+    TEXT,
+    pg_sys::INT4OID,
+];
+
+/// The plan of the event insert, with aggregate_hash as its tenth parameter
+/// when `hashed`.
+pub(super) fn insert_plan(spi: &Spi, hashed: bool) -> pg_sys::SPIPlanPtr {
+    let mut plans = plans(spi);
+    let kept = if hashed { plans.insert_hashed } else { plans.insert };
+    if let Some(plan) = kept {
+        return plan;
+    }
+    let plan = if hashed {
+        let plan = prepare(
+            spi,
+            c"INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq,
+                                         event_type, schema_version, payload, headers, topic,
+                                         aggregate_hash)
+              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            &INSERT_TYPES,
+        );
+        plans.insert_hashed = Some(plan);
+        plan
+    } else {
+        let plan = prepare(
+            spi,
+            c"INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq,
+                                         event_type, schema_version, payload, headers, topic)
+              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            &INSERT_TYPES[..9],
+        );
+        plans.insert = Some(plan);
+        plan
+    };
+    PLANS.set(Some(plans));
+    plan
 }
 
 pub(super) static PLANS: BackendCell<Option<Plans>> = BackendCell::new(None);
@@ -51,23 +103,8 @@ pub(super) fn plans(spi: &Spi) -> Plans {
                WHERE k.aggregate_type = $1 AND k.idempotency_key = $2",
             &[TEXT, TEXT],
         ),
-        insert: prepare(
-            spi,
-            c"INSERT INTO outbox.events (event_id, aggregate_type, aggregate_id, aggregate_seq,
-                                         event_type, schema_version, payload, headers, topic)
-              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-            &[
-                pg_sys::UUIDOID,
-                TEXT,
-                TEXT,
-                INT8,
-                TEXT,
-                pg_sys::INT4OID,
-                pg_sys::JSONBOID,
-                pg_sys::JSONBOID,
-                TEXT,
-            ],
-        ),
+        insert: None,
+        insert_hashed: None,
     };
     PLANS.set(Some(plans));
     plans

@@ -71,6 +71,9 @@ pub(super) struct Catalog {
     /// False when the floors table is empty, as it is unless the extension
     /// was upgraded from 0.2.0: only that upgrade writes it.
     pub(super) floors_in_use: bool,
+    /// Whether the events table has `aggregate_hash` (0.8.0 on): before
+    /// `ALTER EXTENSION pg_outbox UPDATE` it may not yet.
+    pub(super) hashed: bool,
 }
 
 pub(super) static CATALOG: BackendCell<Option<Catalog>> = BackendCell::new(None);
@@ -112,10 +115,13 @@ pub(super) fn catalog() -> Catalog {
             pg_sys::ForkNumber::MAIN_FORKNUM,
         )
     } > 0;
+    // SAFETY: a catalog lookup by name; 0 or less when the column is missing.
+    let hashed = unsafe { pg_sys::get_attnum(events.table, c"aggregate_hash".as_ptr()) } > 0;
     let catalog = Catalog {
         events,
         floors,
         floors_in_use,
+        hashed,
     };
     CATALOG.set(Some(catalog));
     catalog
