@@ -747,7 +747,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     wanted text := format('((aggregate_hash %% %s) = %s)', shards, shard);
-    found text;
+    current_filter text;
 BEGIN
     IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
         RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
@@ -757,7 +757,7 @@ BEGIN
         RAISE EXCEPTION 'shard %/% is out of range', coalesce(shard::text, 'NULL'), coalesce(shards::text, 'NULL')
             USING ERRCODE = 'PO007', HINT = 'shards is 1 to 1024, and shard 0 to shards - 1.';
     END IF;
-    SELECT coalesce(pg_get_expr(r.prqual, r.prrelid), '') INTO found
+    SELECT coalesce(pg_get_expr(r.prqual, r.prrelid), '') INTO current_filter
       FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid
      WHERE p.pubname = name AND r.prrelid = 'outbox.events'::regclass;
     IF NOT FOUND THEN
@@ -767,9 +767,14 @@ BEGIN
         END IF;
         EXECUTE format('CREATE PUBLICATION %I FOR TABLE outbox.events WHERE (aggregate_hash %% %s = %s) WITH (publish = %L)',
                        name, shards, shard, 'insert');
-    ELSIF found <> wanted THEN
+    ELSIF current_filter = '' THEN
+        RAISE EXCEPTION 'publication % carries every event of outbox.events, not only shard %/%''s',
+                quote_ident(name), shard, shards
+            USING ERRCODE = 'PO013',
+                  HINT = 'Give each shard a publication of its own: outbox-forwarder --shard names it after the shard.';
+    ELSIF current_filter <> wanted THEN
         RAISE EXCEPTION 'publication % filters outbox.events by % instead of shard %/%''s %',
-                quote_ident(name), coalesce(nullif(found, ''), 'nothing'), shard, shards, wanted
+                quote_ident(name), current_filter, shard, shards, wanted
             USING ERRCODE = 'PO013',
                   HINT = 'Each shard of each layout has a publication of its own: drop this one (outbox-forwarder publication drop) or name another.';
     END IF;
@@ -3428,7 +3433,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     wanted text := format('((aggregate_hash %% %s) = %s)', shards, shard);
-    found text;
+    current_filter text;
 BEGIN
     IF name IS NULL OR name !~ '^[a-z0-9_]{1,63}$' THEN
         RAISE EXCEPTION 'publication name % is not valid', quote_literal(coalesce(name, 'NULL'))
@@ -3438,7 +3443,7 @@ BEGIN
         RAISE EXCEPTION 'shard %/% is out of range', coalesce(shard::text, 'NULL'), coalesce(shards::text, 'NULL')
             USING ERRCODE = 'PO007', HINT = 'shards is 1 to 1024, and shard 0 to shards - 1.';
     END IF;
-    SELECT coalesce(pg_get_expr(r.prqual, r.prrelid), '') INTO found
+    SELECT coalesce(pg_get_expr(r.prqual, r.prrelid), '') INTO current_filter
       FROM pg_publication p JOIN pg_publication_rel r ON r.prpubid = p.oid
      WHERE p.pubname = name AND r.prrelid = 'outbox.events'::regclass;
     IF NOT FOUND THEN
@@ -3448,9 +3453,14 @@ BEGIN
         END IF;
         EXECUTE format('CREATE PUBLICATION %I FOR TABLE outbox.events WHERE (aggregate_hash %% %s = %s) WITH (publish = %L)',
                        name, shards, shard, 'insert');
-    ELSIF found <> wanted THEN
+    ELSIF current_filter = '' THEN
+        RAISE EXCEPTION 'publication % carries every event of outbox.events, not only shard %/%''s',
+                quote_ident(name), shard, shards
+            USING ERRCODE = 'PO013',
+                  HINT = 'Give each shard a publication of its own: outbox-forwarder --shard names it after the shard.';
+    ELSIF current_filter <> wanted THEN
         RAISE EXCEPTION 'publication % filters outbox.events by % instead of shard %/%''s %',
-                quote_ident(name), coalesce(nullif(found, ''), 'nothing'), shard, shards, wanted
+                quote_ident(name), current_filter, shard, shards, wanted
             USING ERRCODE = 'PO013',
                   HINT = 'Each shard of each layout has a publication of its own: drop this one (outbox-forwarder publication drop) or name another.';
     END IF;

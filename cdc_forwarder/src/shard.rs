@@ -54,7 +54,9 @@ impl FromStr for Shard {
     type Err = String;
 
     fn from_str(text: &str) -> Result<Self, String> {
-        let bad = || format!("{text:?} is not a shard: write INDEX/COUNT, as 0/2 for the first of two (COUNT 1 to {MAX_SHARDS}, INDEX 0 to COUNT-1)");
+        let bad = || {
+            format!("{text:?} is not a shard: write INDEX/COUNT, as 0/2 for the first of two (COUNT 1 to {MAX_SHARDS}, INDEX 0 to COUNT-1)")
+        };
         let (index, count) = text.split_once('/').ok_or_else(bad)?;
         let index: u32 = index.trim().parse().map_err(|_| bad())?;
         let count: u32 = count.trim().parse().map_err(|_| bad())?;

@@ -160,9 +160,14 @@ BEGIN
         END IF;
         EXECUTE format('CREATE PUBLICATION %I FOR TABLE outbox.events WHERE (aggregate_hash %% %s = %s) WITH (publish = %L)',
                        name, shards, shard, 'insert');
+    ELSIF current_filter = '' THEN
+        RAISE EXCEPTION 'publication % carries every event of outbox.events, not only shard %/%''s',
+                quote_ident(name), shard, shards
+            USING ERRCODE = 'PO013',
+                  HINT = 'Give each shard a publication of its own: outbox-forwarder --shard names it after the shard.';
     ELSIF current_filter <> wanted THEN
         RAISE EXCEPTION 'publication % filters outbox.events by % instead of shard %/%''s %',
-                quote_ident(name), coalesce(nullif(current_filter, ''), 'nothing'), shard, shards, wanted
+                quote_ident(name), current_filter, shard, shards, wanted
             USING ERRCODE = 'PO013',
                   HINT = 'Each shard of each layout has a publication of its own: drop this one (outbox-forwarder publication drop) or name another.';
     END IF;

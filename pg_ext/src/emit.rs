@@ -255,7 +255,8 @@ fn emit(fcinfo: pg_sys::FunctionCallInfo, call: Call) -> Result<Datum, Refusal> 
     let row = call.row(event_id, seq);
     let hashed = catalog().hashed;
     // SAFETY: both are text datums of this call.
-    let hash = hashed.then(|| unsafe { crate::aggregate_hash::of_text(aggregate_type, aggregate_id) });
+    let hash =
+        hashed.then(|| unsafe { crate::aggregate_hash::of_text(aggregate_type, aggregate_id) });
     if !(DIRECT_INSERT.get() && insert_direct(&row, hash)) {
         spi.connect();
         let mut args = [None; 10];

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pg_outbox_tests::{
-    catalog, connect, has_extension, sqlstate, unique, with_database, Edition, Forwarder, Reader,
-    TestDb,
+    catalog, connect, emit, has_extension, sqlstate, unique, with_database, Edition, Forwarder,
+    Reader, TestDb,
 };
 use rand::seq::SliceRandom;
 use tokio::sync::Barrier;
@@ -94,6 +94,11 @@ async fn every_bad_argument_gets_its_own_sqlstate_and_writes_nothing() {
         ("prune zero rows", "SELECT outbox.prune('1 day', 0)".into(), "PO007"),
         ("publication name empty", "SELECT outbox.ensure_publication('')".into(), "PO002"),
         ("publication name upper case", "SELECT outbox.ensure_publication('Bad-Name')".into(), "PO002"),
+        ("shard publication name", "SELECT outbox.ensure_shard_publication('Bad-Name', 0, 2)".into(), "PO002"),
+        ("shard past the count", "SELECT outbox.ensure_shard_publication('s_2_of_2', 2, 2)".into(), "PO007"),
+        ("shard count zero", "SELECT outbox.ensure_shard_publication('s_0_of_0', 0, 0)".into(), "PO007"),
+        ("shard negative", "SELECT outbox.ensure_shard_publication('s_x_of_2', -1, 2)".into(), "PO007"),
+        ("shard count NULL", "SELECT outbox.ensure_shard_publication('s_0_of_x', 0, NULL)".into(), "PO007"),
     ];
     let mut wrong = Vec::new();
     for (what, sql, expected) in &cases {
@@ -280,6 +285,68 @@ async fn sequences(client: &Client, aggregate_id: &str) -> Vec<i64> {
         .iter()
         .map(|r| r.get(0))
         .collect()
+}
+
+/// Shards split on the hash each emit stores: it must be
+/// `outbox.aggregate_hash` of the aggregate whichever way the event went in
+/// (the C code's executor-free insert, its SQL insert, a batch, the SQL
+/// edition), for any text, and the function a fixed one (SHA-256 of type,
+/// zero byte, id in UTF-8: `printf 'order\0o-1' | sha256sum` starts
+/// abf2e178).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_event_stores_its_aggregates_hash_however_it_was_emitted() {
+    let db = TestDb::create("hash").await;
+    let client = db.admin().await;
+    let known: i32 = client
+        .query_one("SELECT outbox.aggregate_hash('order', 'o-1')", &[])
+        .await
+        .expect("aggregate_hash")
+        .get(0);
+    assert_eq!(known, 0x2bf2_e178);
+    let ids = [
+        "o-1",
+        "Ünïcødé-ß",
+        "日本語",
+        "a b",
+        "x'y",
+        "0",
+        "long-".repeat(100).as_str(),
+    ]
+    .map(str::to_owned);
+    for direct in ["on", "off"] {
+        client
+            .batch_execute(&format!("SET pg_outbox.direct_insert = {direct}"))
+            .await
+            .expect("set");
+        for id in &ids {
+            emit(&client, "order", id, "Placed", "{}").await;
+            emit(&client, "invoice", id, "Placed", "{}").await;
+        }
+    }
+    let batch = serde_json::json!(ids
+        .iter()
+        .map(|id| serde_json::json!({"aggregate_type": "cart", "aggregate_id": id, "event_type": "E", "payload": 1}))
+        .collect::<Vec<_>>());
+    client
+        .execute(
+            "SELECT * FROM outbox.emit_events($1::text::jsonb)",
+            &[&batch.to_string()],
+        )
+        .await
+        .expect("batch");
+    let row = client
+        .query_one(
+            "SELECT count(*), count(*) FILTER (WHERE aggregate_hash IS DISTINCT FROM outbox.aggregate_hash(aggregate_type, aggregate_id)), \
+                    count(DISTINCT aggregate_hash) FROM outbox.events",
+            &[],
+        )
+        .await
+        .expect("count");
+    let (events, wrong, distinct): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!(events, 4 * ids.len() as i64 + ids.len() as i64);
+    assert_eq!(wrong, 0, "every stored hash is the function's");
+    assert_eq!(distinct, 3 * ids.len() as i64, "one hash per aggregate");
+    db.drop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -33,7 +33,11 @@ const INSERT_TYPES: [Oid; 10] = [
 /// when `hashed`.
 pub(super) fn insert_plan(spi: &Spi, hashed: bool) -> pg_sys::SPIPlanPtr {
     let mut plans = plans(spi);
-    let kept = if hashed { plans.insert_hashed } else { plans.insert };
+    let kept = if hashed {
+        plans.insert_hashed
+    } else {
+        plans.insert
+    };
     if let Some(plan) = kept {
         return plan;
     }
