@@ -355,7 +355,14 @@ impl TestDb {
     /// Waits until a forwarder holds this test's slot and has finished its
     /// first-start catch-up (a condition, polled).
     pub async fn wait_slot_active(&self, timeout: Duration) {
+        self.wait_named_slot_active(&self.slot, timeout).await;
+    }
+
+    /// Waits until a forwarder holds the slot `slot` of this test's
+    /// database (a shard's) and has finished its first-start catch-up.
+    pub async fn wait_named_slot_active(&self, slot: &str, timeout: Duration) {
         self.wait_slot(
+            slot,
             timeout,
             "the forwarder to hold its slot",
             "SELECT 1 FROM pg_replication_slots s JOIN outbox.relay_progress p USING (slot_name) \
@@ -367,7 +374,13 @@ impl TestDb {
 
     /// Waits until no process holds this test's slot.
     pub async fn wait_slot_inactive(&self, timeout: Duration) {
+        self.wait_named_slot_inactive(&self.slot, timeout).await;
+    }
+
+    /// Waits until no process holds the slot `slot`.
+    pub async fn wait_named_slot_inactive(&self, slot: &str, timeout: Duration) {
         self.wait_slot(
+            slot,
             timeout,
             "the slot to be released",
             "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
@@ -376,10 +389,10 @@ impl TestDb {
     }
 
     /// Polls `sql` (with the slot name as $1) until it returns a row.
-    async fn wait_slot(&self, timeout: Duration, what: &str, sql: &str) {
+    async fn wait_slot(&self, slot: &str, timeout: Duration, what: &str, sql: &str) {
         let admin = self.admin().await;
         wait_until(timeout, what, || async {
-            matches!(admin.query_opt(sql, &[&self.slot]).await, Ok(Some(_)))
+            matches!(admin.query_opt(sql, &[&slot]).await, Ok(Some(_)))
         })
         .await;
     }
@@ -447,8 +460,9 @@ impl TestDb {
         let admin = connect(&self.stack.admin_url).await;
         let _maybe_missing = admin
             .execute(
-                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
-                &[&self.slot],
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots \
+                  WHERE (slot_name = $1 OR database = $2) AND NOT active",
+                &[&self.slot, &self.name],
             )
             .await;
         let _in_use = admin
