@@ -73,12 +73,12 @@ mod tests {
 
     #[test]
     fn a_shard_reads_as_index_of_count() {
-        let shard: Shard = "1/4".parse().unwrap();
+        let shard: Shard = "1/4".parse().expect("a shard");
         assert_eq!(shard, Shard { index: 1, count: 4 });
         assert_eq!(shard.to_string(), "1/4");
         assert_eq!(shard.suffix(), "_1_of_4");
         for bad in ["", "1", "4/4", "0/0", "-1/2", "a/2", "0/1025", "1/2/3"] {
-            let err = bad.parse::<Shard>().unwrap_err();
+            let err = bad.parse::<Shard>().expect_err("not a shard");
             assert!(err.contains("INDEX/COUNT"), "{bad}: {err}");
         }
     }
