@@ -425,6 +425,7 @@ mod tests {
                 "kafka_security_protocol" => "kafka_security_protocol = \"SASL_SSL\"\n".into(),
                 "kafka_sasl_mechanism" => "kafka_sasl_mechanism = \"SCRAM-SHA-512\"\n".into(),
                 "metrics_listen" => "metrics_listen = \"0.0.0.0:9187\"\n".into(),
+                "shard" => "shard = \"1/4\"\n".into(),
                 _ => format!("{} = \"x\"\n", r.key),
             })
             .collect::<String>()
