@@ -403,6 +403,12 @@ impl TestDb {
     /// between the walsender's exit and the drop, again and again on a
     /// loaded machine. The forwarder sees a retryable error and comes back.
     pub async fn lose_slot(&self) {
+        self.lose_named_slot(&self.slot).await;
+    }
+
+    /// Drops the slot `slot` of this test's database (a shard's) under its
+    /// running forwarder, as [`TestDb::lose_slot`] does.
+    pub async fn lose_named_slot(&self, slot: &str) {
         let admin = self.superuser().await;
         // A database cannot refuse connections from inside itself.
         let maintenance = connect(&self.stack.admin_url).await;
@@ -417,11 +423,11 @@ impl TestDb {
                         .execute(
                             "SELECT pg_terminate_backend(active_pid, 10000) FROM pg_replication_slots \
                               WHERE slot_name = $1 AND active_pid IS NOT NULL",
-                            &[&self.slot],
+                            &[&slot],
                         )
                         .await;
                     let dropped = admin
-                        .execute("SELECT pg_drop_replication_slot($1)", &[&self.slot])
+                        .execute("SELECT pg_drop_replication_slot($1)", &[&slot])
                         .await;
                     let allow = format!("ALTER DATABASE \"{}\" ALLOW_CONNECTIONS true", self.name);
                     maintenance
@@ -437,7 +443,7 @@ impl TestDb {
                     assert!(
                         Instant::now() < deadline,
                         "could not drop slot {} under the forwarder: {e:?}",
-                        self.slot
+                        slot
                     );
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }

@@ -5,7 +5,7 @@
 //! read_committed consumer received.
 //!
 //! fault-campaign [--faults N] [--mode exactly-once|at-least-once] [--seed S] [--failover]
-//!                [--source poll] [--kafka-brokers 1|3] [--only KIND]
+//!                [--source poll] [--kafka-brokers 1|3] [--only KIND] [--shards N]
 //!
 //! --failover runs on a primary and standby of the campaign's own and adds
 //! primary failovers (SIGKILL of the primary, promotion of the standby, a
@@ -17,6 +17,10 @@
 //! and restart under a new name, so its leases must expire; a zombie that
 //! resumes after its successor took its aggregates over), and the servers
 //! restart under both.
+//!
+//! --shards N splits the outbox into N shards, each with a forwarder of
+//! its own (--shard I/N): the faults hit shard 0's forwarder, the servers
+//! restart under all of them, and the verdict covers every shard's events.
 //!
 //! --kafka-brokers 3 runs against the stack's cluster of three brokers
 //! (OUTBOX_KAFKA_BROKERS=3 scripts/stack up) and adds broker faults: SIGKILL
@@ -140,6 +144,8 @@ struct Args {
     cluster: bool,
     /// Only this broker fault, to study one kind's recovery.
     only: Option<Fault>,
+    /// Shards of the outbox, each with its own forwarder.
+    shards: Option<u32>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -151,6 +157,7 @@ fn parse_args() -> Result<Args, String> {
         poll: false,
         cluster: std::env::var("OUTBOX_KAFKA_BROKERS").as_deref() == Ok("3"),
         only: None,
+        shards: None,
     };
     let mut mode_given = false;
     let mut it = std::env::args().skip(1);
@@ -176,6 +183,15 @@ fn parse_args() -> Result<Args, String> {
                     "broker-restart" => Fault::Broker,
                     other => return Err(format!("--only takes leader-kill, coordinator-kill, controller-kill, broker-pause, rolling-restart or broker-restart, not {other:?}")),
                 })
+            }
+            "--shards" => {
+                let n: u32 = value()?
+                    .parse()
+                    .map_err(|_| "--shards takes a number from 2 to 16")?;
+                if !(2..=16).contains(&n) {
+                    return Err("--shards takes a number from 2 to 16".into());
+                }
+                args.shards = Some(n);
             }
             "--seed" => args.seed = value()?.parse().map_err(|_| "--seed takes a number")?,
             "--source" => {
@@ -204,6 +220,12 @@ fn parse_args() -> Result<Args, String> {
         }
         if args.failover {
             return Err("--source poll runs without --failover".into());
+        }
+        if args.shards.is_some() {
+            return Err(
+                "--source poll runs without --shards (relays share the aggregates themselves)"
+                    .into(),
+            );
         }
         args.exactly_once = false;
     }
@@ -333,6 +355,9 @@ async fn main() -> ExitCode {
         if args.cluster { ", three brokers" } else { "" },
         args.seed
     );
+    if let Some(n) = args.shards {
+        println!("{n} shards, each with its own forwarder; the faults hit shard 0's");
+    }
 
     let began = Instant::now();
     let mut pair = args.failover.then(Pair::up);
@@ -360,8 +385,17 @@ async fn main() -> ExitCode {
     // Polling: relays get names; the one the faults hit is renamed when it
     // is killed, so that its leases must expire before they move.
     let mut generation = 0;
+    // Shards: the faulted forwarder is shard 0's, with a slot of its own.
+    let shard_of = |index: u32| args.shards.map(|n| format!("{index}/{n}"));
+    let fault_slot = match args.shards {
+        Some(n) => format!("{}_0_of_{n}", db.slot),
+        None => db.slot.clone(),
+    };
     let mut relay_args = |renamed: bool| -> Vec<String> {
         let mut a: Vec<String> = mode.iter().map(|s| s.to_string()).collect();
+        if let Some(shard) = shard_of(0) {
+            a.extend(["--shard".into(), shard]);
+        }
         if args.poll {
             generation += usize::from(renamed);
             a.extend(["--relay-name".into(), format!("campaign-{generation}")]);
@@ -372,7 +406,10 @@ async fn main() -> ExitCode {
         let a: Vec<&str> = a.iter().map(String::as_str).collect();
         Forwarder::spawn_with_env(db, &a, env)
     };
-    let steady = if args.poll {
+    // Beside the faulted one: a steady polling relay, or the other shards'
+    // forwarders.
+    let mut steady = Vec::new();
+    if args.poll {
         db.admin()
             .await
             .batch_execute("SELECT outbox.enable_polling()")
@@ -383,10 +420,13 @@ async fn main() -> ExitCode {
             .copied()
             .chain(["--relay-name", "steady"])
             .collect();
-        Some(Forwarder::spawn(&db, &a))
-    } else {
-        None
-    };
+        steady.push(Forwarder::spawn(&db, &a));
+    }
+    for index in 1..args.shards.unwrap_or(1) {
+        let shard = shard_of(index).unwrap_or_default();
+        let a: Vec<&str> = mode.iter().copied().chain(["--shard", &shard]).collect();
+        steady.push(Forwarder::spawn(&db, &a));
+    }
     let mut forwarder = spawn(&db, &relay_args(false), &[]);
 
     let stop = Arc::new(AtomicBool::new(false));
@@ -449,7 +489,7 @@ async fn main() -> ExitCode {
     let sampler = {
         let (url, slot, peak, reading) = (
             with_database(&db.stack.admin_url, &db.name),
-            db.slot.clone(),
+            fault_slot.clone(),
             peak_wal.clone(),
             reading.clone(),
         );
@@ -569,7 +609,7 @@ async fn main() -> ExitCode {
                 let _ = admin
                     .execute(
                         "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                        &[&db.slot],
+                        &[&fault_slot],
                     )
                     .await;
                 let zombie = std::mem::replace(&mut forwarder, spawn(&db, &relay_args(true), &[]));
@@ -618,7 +658,7 @@ async fn main() -> ExitCode {
                 }));
             }
             Fault::RollingRestart => unreachable!("handled above"),
-            Fault::SlotLost => db.lose_slot().await,
+            Fault::SlotLost => db.lose_named_slot(&fault_slot).await,
             Fault::Failover => {
                 let pair = pair.as_mut().expect("failovers run on a pair");
                 if version >= 170000 {
@@ -738,12 +778,14 @@ async fn main() -> ExitCode {
             "forwarder logs: {} and {}",
             forwarder.log.display(),
             steady
-                .as_ref()
-                .map_or_else(String::new, |s| s.log.display().to_string())
+                .iter()
+                .map(|s| s.log.display().to_string())
+                .collect::<Vec<_>>()
+                .join(" and ")
         );
     }
     forwarder.kill9().await;
-    if let Some(steady) = steady {
+    for steady in steady {
         steady.kill9().await;
     }
     db.drop().await;
