@@ -91,12 +91,18 @@ pub async fn record_shard(client: &Client, slot: &str, shard: Shard) -> Result<(
 /// Forgets the shard of a dropped slot (pg_outbox 0.8.0 on; before, there
 /// is none to forget).
 pub async fn forget_shard(client: &Client, slot: &str) -> Result<()> {
-    client
-        .execute(
-            "SELECT outbox.forget_relay_shard($1) \
-              WHERE to_regprocedure('outbox.forget_relay_shard(name)') IS NOT NULL",
-            &[&slot],
+    // Looked up first: a call of a missing function fails as it is parsed.
+    let known: bool = client
+        .query_one(
+            "SELECT to_regprocedure('outbox.forget_relay_shard(name)') IS NOT NULL",
+            &[],
         )
-        .await?;
+        .await?
+        .get(0);
+    if known {
+        client
+            .execute("SELECT outbox.forget_relay_shard($1)", &[&slot])
+            .await?;
+    }
     Ok(())
 }
