@@ -525,6 +525,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::options::Options;
 
     #[test]
     fn a_multi_host_url_gives_one_target_per_host_with_the_rest_kept() {
@@ -563,6 +564,42 @@ mod tests {
         assert_eq!(named.transactional_id(), "pg_outbox.db-a.app.orders");
         assert_eq!(on_second.transactional_id(), named.transactional_id());
         assert_eq!(on_second.offsets_topic(), named.offsets_topic());
+    }
+
+    #[test]
+    fn each_shard_has_a_slot_publication_transactional_id_and_offsets_topic_of_its_own() {
+        let options = |shard: Option<&str>, source: SourceKind| Options {
+            postgres_url: Some("postgres://fwd@db-a/app".into()),
+            kafka_bootstrap: Some("k:9092".into()),
+            shard: shard.map(|s| s.parse().expect("a shard")),
+            source,
+            ..Options::defaults().expect("defaults")
+        };
+        let config = |shard| {
+            options(shard, SourceKind::Slot)
+                .into_config(&KafkaProperties::default())
+                .expect("valid")
+        };
+        let (first, second, whole) = (config(Some("0/2")), config(Some("1/2")), config(None));
+        assert_eq!(
+            (first.slot.as_str(), first.publication.as_str()),
+            ("pg_outbox_0_of_2", "pg_outbox_0_of_2")
+        );
+        assert_eq!(
+            first.transactional_id(),
+            "pg_outbox.db-a.app.pg_outbox_0_of_2"
+        );
+        let ids: std::collections::HashSet<String> = [&first, &second, &whole]
+            .iter()
+            .flat_map(|c| [c.slot.clone(), c.transactional_id(), c.offsets_topic()])
+            .collect();
+        assert_eq!(ids.len(), 9, "no two forwarders share a name: {ids:?}");
+        let polling =
+            options(Some("0/2"), SourceKind::Poll).into_config(&KafkaProperties::default());
+        assert!(
+            matches!(&polling, Err(Error::Config(m)) if m.contains("--shard")),
+            "{polling:?}"
+        );
     }
 
     #[test]
