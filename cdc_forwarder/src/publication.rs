@@ -39,13 +39,14 @@ pub async fn prepare(
         )));
     }
 
-    if !exists(client, name).await? && !create_missing {
+    let existed = exists(client, name).await?;
+    if !existed && !create_missing {
         return Err(Error::Setup(format!(
             "publication {name:?} does not exist; run `outbox-forwarder publication create` or allow creation"
         )));
     }
-    let created = ensure(client, name, shard).await?;
-    if created {
+    ensure(client, name, shard).await?;
+    if !existed {
         tracing::info!(publication = %name, shard = shard.map(|s| s.to_string()), "created publication");
     }
     Ok(())
@@ -54,9 +55,7 @@ pub async fn prepare(
 /// Creates the publication (of `shard`) if it is missing, through the
 /// extension's definer-rights functions, so the forwarder's role needs no
 /// ownership of the events table; refuses one that carries other events.
-/// Whether it created it.
-pub async fn ensure(client: &Client, name: &str, shard: Option<Shard>) -> Result<bool> {
-    let existed = exists(client, name).await?;
+pub async fn ensure(client: &Client, name: &str, shard: Option<Shard>) -> Result<()> {
     match shard {
         Some(shard) => {
             // The function refuses a publication with another filter.
@@ -78,7 +77,7 @@ pub async fn ensure(client: &Client, name: &str, shard: Option<Shard>) -> Result
             }
         }
     }
-    Ok(!existed)
+    Ok(())
 }
 
 /// Whether the outbox has what shards need (0.8.0 on).
