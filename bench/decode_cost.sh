@@ -142,16 +142,8 @@ for round in $(seq 1 "$ROUNDS"); do
     done
 done
 
-median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 echo
 echo "medians over $ROUNDS rounds ($EVENTS events a run; ratios to jsonb within each round)"
-printf '%-13s %10s %8s %22s %10s\n' representation events/s "x jsonb" "CPU-s per 1M events" "x jsonb"
-for kind in $KINDS; do
-    printf '%-13s %10s %8s %22s %10s\n' "$kind" \
-        "$(awk -v k="$kind" '$1 == k { print $2 }' "$results" | median)" \
-        "$(awk -v k="$kind" '$1 == k { print $4 }' "$results" | median)" \
-        "$(awk -v k="$kind" '$1 == k { print $3 }' "$results" | median)" \
-        "$(awk -v k="$kind" '$1 == k { print $5 }' "$results" | median)"
-done
+median_table "$results" "$KINDS" representation jsonb
 rm -f "$results"
 bench_database $DB

@@ -54,3 +54,22 @@ forwarder_contenders() {
         CONTENDERS="$CONTENDERS base-at-least-once base-exactly-once"
     fi
 }
+
+# The median of the numbers on stdin, one a line.
+median() { sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+
+# Prints the medians of a rounds file whose lines read "KEY RATE CPU
+# RATE_RATIO CPU_RATIO", one row per key in KEYS, under a header naming the
+# keys' column and the baseline the ratios are to.
+#   median_table FILE KEYS KEY_COLUMN BASELINE
+median_table() {
+    local key
+    printf '%-13s %10s %8s %22s %8s\n' "$3" events/s "x $4" "CPU-s per 1M events" "x $4"
+    for key in $2; do
+        printf '%-13s %10s %8s %22s %8s\n' "$key" \
+            "$(awk -v k="$key" '$1 == k { print $2 }' "$1" | median)" \
+            "$(awk -v k="$key" '$1 == k { print $4 }' "$1" | median)" \
+            "$(awk -v k="$key" '$1 == k { print $3 }' "$1" | median)" \
+            "$(awk -v k="$key" '$1 == k { print $5 }' "$1" | median)"
+    done
+}

@@ -784,16 +784,29 @@ async fn main() -> ExitCode {
                 .join(" and ")
         );
     }
+    let failed = v.lost > 0
+        || phantoms > 0
+        || v.order_violations > 0
+        || (args.exactly_once && v.duplicates > 0);
+    if failed {
+        // The forwarders' own account of the end, kept with the verdict:
+        // the log files live in a temporary directory that may be gone by
+        // the time someone reads the report.
+        for log in std::iter::once(&forwarder.log).chain(steady.iter().map(|s| &s.log)) {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            println!("last lines of {}:", log.display());
+            for line in &lines[lines.len().saturating_sub(40)..] {
+                println!("  {line}");
+            }
+        }
+    }
     forwarder.kill9().await;
     for steady in steady {
         steady.kill9().await;
     }
     db.drop().await;
     drop(pair.take());
-    let failed = v.lost > 0
-        || phantoms > 0
-        || v.order_violations > 0
-        || (args.exactly_once && v.duplicates > 0);
     if failed {
         println!("campaign FAILED");
         ExitCode::FAILURE
