@@ -23,12 +23,9 @@ set -euo pipefail
 cd "$ROOT"
 EVENTS=${1:-200000}
 ROUNDS=${2:-3}
-eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 . "$ROOT/bench/harness.sh"
 DB=bench_decode
 KINDS="jsonb json text bytea jsonb-binary message"
-recvlogical=$("$PG_CONFIG" --bindir)/pg_recvlogical
-ticks=$(getconf CLK_TCK)
 
 bench_database $DB
 psql_admin -d postgres -c "CREATE DATABASE $DB" >/dev/null
@@ -89,7 +86,7 @@ SQL
 # Decodes one run of KIND; prints "events/s walsender-CPU-s-per-1M".
 #   run KIND
 run() {
-    local kind=$1 table=${1%-binary} slot=bench_decode options=() end pid= cpu=0 started ended sample
+    local kind=$1 table=${1%-binary} slot=bench_decode options=() end cpu started ended watcher
     case $kind in
         message) options=(-o messages=true -o publication_names=pub_jsonb) ;;
         jsonb-binary) options=(-o binary=true -o publication_names=pub_jsonb) ;;
@@ -98,47 +95,34 @@ run() {
     psql_admin -d $DB -c "SELECT pg_create_logical_replication_slot('$slot', 'pgoutput')" >/dev/null
     psql_admin -d $DB -c "CALL fill('$table', $EVENTS)"
     end=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
-    local done_at
-    done_at=$(mktemp)
+    cpu=$(mktemp)
+    walsender_ticks $DB $slot "$cpu" &
+    watcher=$!
+    sleep 0.5
     started=$(date +%s.%N)
-    {
-        PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=disable "$recvlogical" -h 127.0.0.1 -p "$PG_PORT" -U postgres \
-            -d $DB --slot $slot --start --no-loop -E "$end" -o proto_version=1 "${options[@]}" -f /dev/null
-        date +%s.%N >"$done_at"
-    } &
-    local reader=$!
-    # The walsender's CPU (user and system ticks), read from /proc until it
-    # exits with the reader.
-    while [ -z "${pid:-}" ] && kill -0 $reader 2>/dev/null; do
-        pid=$(psql_admin -d postgres -c "SELECT active_pid FROM pg_replication_slots WHERE slot_name = '$slot'")
-    done
-    while [ -n "${pid:-}" ] && read -r -a sample 2>/dev/null <"/proc/$pid/stat"; do
-        cpu=$(( sample[13] + sample[14] ))
-        sleep 0.01
-    done
-    wait $reader
-    ended=$(cat "$done_at")
-    rm -f "$done_at"
+    PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=disable "$recvlogical" -h 127.0.0.1 -p "$PG_PORT" -U postgres \
+        -d $DB --slot $slot --start --no-loop -E "$end" -o proto_version=1 "${options[@]}" -f /dev/null
+    ended=$(date +%s.%N)
+    wait $watcher
+    [ -s "$cpu" ] || die "the walsender of $slot was never seen"
     psql_admin -d $DB -c "SELECT pg_drop_replication_slot('$slot')" \
         -c "TRUNCATE events_jsonb, events_json, events_text, events_bytea" >/dev/null
-    awk -v n="$EVENTS" -v s="$started" -v e="$ended" -v cpu="$cpu" -v hz="$ticks" \
+    awk -v n="$EVENTS" -v s="$started" -v e="$ended" -v cpu="$(cat "$cpu")" -v hz="$CLK_TCK" \
         'BEGIN { printf "%.0f %.2f\n", n / (e - s), cpu / hz / n * 1000000 }'
+    rm -f "$cpu"
 }
 
 declare -A rate cpu
 results=$(mktemp)
 say "decoding $EVENTS events per run, $ROUNDS rounds, PostgreSQL $PG_VERSION"
 for round in $(seq 1 "$ROUNDS"); do
-    order=$KINDS
-    if [ $((round % 2)) = 0 ]; then order=$(tr ' ' '\n' <<<"$KINDS" | tac | tr '\n' ' '); fi
-    for kind in $order; do
+    for kind in $(in_round_order "$round" "$KINDS"); do
         read -r r c < <(run "$kind")
         rate[$kind]=$r cpu[$kind]=$c
         printf '  round %s  %-13s %7s events/s  %6s walsender CPU-s per 1M events\n' "$round" "$kind" "$r" "$c"
     done
     for kind in $KINDS; do
-        echo "$kind ${rate[$kind]} ${cpu[$kind]} $(awk -v a="${rate[$kind]}" -v b="${rate[jsonb]}" 'BEGIN { printf "%.2f", a / b }')" \
-            "$(awk -v a="${cpu[$kind]}" -v b="${cpu[jsonb]}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "nan" }')" >>"$results"
+        rounds_line "$kind" "${rate[$kind]}" "${cpu[$kind]}" "${rate[jsonb]}" "${cpu[jsonb]}" >>"$results"
     done
 done
 

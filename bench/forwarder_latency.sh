@@ -28,7 +28,6 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin latency-probe --bin kafka-topics
 PROBE=$ROOT/target/release/latency-probe
 . "$ROOT/bench/harness.sh"

@@ -36,7 +36,6 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin kafka-topics
 . "$ROOT/bench/harness.sh"
 forwarder_contenders "$BASELINE"
@@ -46,7 +45,6 @@ CONTENDERS="raw $CONTENDERS"
 BROKER_PID=$(cat "$STACK_DIR/kafka/broker.pid")
 
 DB=bench_tp
-CLK_TCK=$(getconf CLK_TCK)
 fwd_url="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/$DB?sslmode=$SSLMODE"
 run_id=$(date +%s)
 now() { date +%s.%N; }

@@ -1,4 +1,9 @@
-# Sourced by the forwarder benches.
+# Sourced by the benches that need the stack: starts it (idempotently) and
+# exports its settings.
+
+eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
+CLK_TCK=$(getconf CLK_TCK)
+recvlogical=$("$PG_CONFIG" --bindir)/pg_recvlogical
 
 psql_admin() { PGPASSWORD=$PG_SUPERUSER_PASSWORD PGSSLMODE=disable psql -h 127.0.0.1 -p "$PG_PORT" -U postgres -v ON_ERROR_STOP=1 -qAt "$@"; }
 
@@ -72,4 +77,56 @@ median_table() {
             "$(awk -v k="$key" '$1 == k { print $3 }' "$1" | median)" \
             "$(awk -v k="$key" '$1 == k { print $5 }' "$1" | median)"
     done
+}
+
+# The CPU ticks (user and system) of process PID so far; fails once it is gone.
+process_ticks() { local stat; read -r -a stat 2>/dev/null <"/proc/$1/stat" && echo $(( stat[13] + stat[14] )); }
+
+# The pid of slot SLOT's walsender, once it has one (waiting in database DB
+# for 60 s at most; nothing if none came).
+#   walsender_pid DB SLOT
+walsender_pid() {
+    psql_admin -d "$1" <<SQL
+CREATE FUNCTION pg_temp.walsender_of(slot text) RETURNS integer LANGUAGE plpgsql AS \$\$
+DECLARE pid integer;
+BEGIN
+    FOR attempt IN 1 .. 60000 LOOP
+        SELECT active_pid INTO pid FROM pg_replication_slots WHERE slot_name = slot;
+        EXIT WHEN pid IS NOT NULL;
+        PERFORM pg_sleep(0.001);
+    END LOOP;
+    RETURN pid;
+END
+\$\$;
+SELECT pg_temp.walsender_of('$2');
+SQL
+}
+
+# Writes to FILE the CPU ticks that slot SLOT's walsender spent by the time
+# it exited, or nothing if it never came. Start it, in the background,
+# before the slot's reader: its wait is then already polling when the
+# reader connects, however short the read.
+#   walsender_ticks DB SLOT FILE
+walsender_ticks() {
+    local pid ticks=0 now
+    pid=$(walsender_pid "$1" "$2")
+    [ -n "$pid" ] || { : >"$3"; return; }
+    while now=$(process_ticks "$pid"); do
+        ticks=$now
+        sleep 0.02
+    done
+    echo "$ticks" >"$3"
+}
+
+# LIST (words) in the order of round ROUND: turned every other round, so
+# that no contender always runs first.
+#   in_round_order ROUND LIST
+in_round_order() { if [ $(($1 % 2)) = 0 ]; then tr ' ' '\n' <<<"$2" | tac | tr '\n' ' '; else echo "$2"; fi; }
+
+# A line of a rounds file for median_table: "KEY RATE CPU RATE/BASE_RATE
+# CPU/BASE_CPU".
+#   rounds_line KEY RATE CPU BASE_RATE BASE_CPU
+rounds_line() {
+    echo "$1 $2 $3 $(awk -v a="$2" -v b="$4" 'BEGIN { printf "%.2f", a / b }')" \
+        "$(awk -v a="$3" -v b="$5" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "nan" }')"
 }

@@ -35,7 +35,6 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin latency-probe --bin kafka-topics
 FWD=$ROOT/target/release/outbox-forwarder
 PROBE=$ROOT/target/release/latency-probe
@@ -46,7 +45,6 @@ DB=bench_poll
 SLOT=bench_poll_slot
 fwd_url="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/$DB?sslmode=disable"
 run_id=$(date +%s)
-CLK_TCK=$(getconf CLK_TCK)
 now() { date +%s.%N; }
 cpu_of() { awk -v t="$CLK_TCK" '{printf "%.3f", ($14 + $15) / t}' "/proc/$1/stat" 2>/dev/null || echo 0; }
 pending() { psql_admin -d $DB -c "SELECT pending_events FROM outbox.poll_status()"; }

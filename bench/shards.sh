@@ -18,7 +18,6 @@ set -euo pipefail
 cd "$ROOT"
 EVENTS=${1:-200000}
 ROUNDS=${2:-3}
-eval "$("$ROOT/scripts/stack" up | sed 's/^/export /')"
 . "$ROOT/bench/harness.sh"
 DB=bench_shards
 LAYOUTS="1 2 4"
@@ -26,8 +25,6 @@ LAYOUTS="1 2 4"
 # only what every shard pays for the other shards' events (reading the WAL,
 # reassembling the transactions, evaluating the filter on every row).
 DECODED_LAYOUTS="$LAYOUTS none"
-recvlogical=$("$PG_CONFIG" --bindir)/pg_recvlogical
-ticks=$(getconf CLK_TCK)
 cargo build -q --release -p cdc_forwarder -p pg_outbox_tests --bin outbox-forwarder --bin kafka-topics
 forwarder=$ROOT/target/release/outbox-forwarder
 fwd_url="postgres://$FORWARDER_ROLE:$FORWARDER_PASSWORD@127.0.0.1:$PG_PORT/$DB?sslmode=disable"
@@ -40,18 +37,6 @@ SELECT outbox.ensure_publication('bench_all');
 CREATE PUBLICATION bench_none FOR TABLE outbox.events WHERE (aggregate_hash < 0) WITH (publish = 'insert');
 SELECT outbox.ensure_shard_publication(format('bench_%s_of_%s', i, n), i, n)
   FROM unnest(ARRAY[2, 4]) n, generate_series(0, n - 1) i;
--- The walsender of a slot, once one has it (NULL after 60 s).
-CREATE FUNCTION walsender_of(slot text) RETURNS integer LANGUAGE plpgsql AS $$
-DECLARE pid integer;
-BEGIN
-    FOR attempt IN 1 .. 60000 LOOP
-        SELECT active_pid INTO pid FROM pg_replication_slots WHERE slot_name = slot;
-        EXIT WHEN pid IS NOT NULL;
-        PERFORM pg_sleep(0.001);
-    END LOOP;
-    RETURN pid;
-END
-$$;
 -- The events of one run, in transactions of 100, as emit stores them.
 CREATE PROCEDURE fill(events bigint) LANGUAGE plpgsql AS $$
 BEGIN
@@ -70,22 +55,6 @@ END
 $$;
 SQL
 
-# The walsender CPU ticks of the slot SLOT, read from /proc until it exits;
-# writes them to FILE, or nothing if the slot's reader never came.
-# Started before the reader, so that its wait for the walsender is already
-# polling when the reader connects.
-#   cpu_of SLOT FILE
-cpu_of() {
-    local pid sample cpu=0
-    pid=$(psql_admin -d $DB -c "SELECT walsender_of('$1')")
-    [ -n "$pid" ] || { : >"$2"; return; }
-    while read -r -a sample 2>/dev/null <"/proc/$pid/stat"; do
-        cpu=$(( sample[13] + sample[14] ))
-        sleep 0.02
-    done
-    echo "$cpu" >"$2"
-}
-
 # Decodes one run through N slots at once; prints "events/s CPU-s-per-1M".
 #   run N
 run() {
@@ -98,7 +67,7 @@ run() {
     psql_admin -d $DB -c "CALL fill($EVENTS)"
     end=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
     for i in $(seq 0 $((slots - 1))); do
-        cpu_of bench_s$i "$dir/cpu$i" &
+        walsender_ticks $DB bench_s$i "$dir/cpu$i" &
         watchers+=($!)
     done
     sleep 0.5
@@ -125,7 +94,7 @@ run() {
     done
     rm -rf "$dir"
     psql_admin -d $DB -c "TRUNCATE outbox.events" >/dev/null
-    awk -v e="$EVENTS" -v s="$started" -v t="$ended" -v cpu="$cpu" -v hz="$ticks" \
+    awk -v e="$EVENTS" -v s="$started" -v t="$ended" -v cpu="$cpu" -v hz="$CLK_TCK" \
         'BEGIN { printf "%.0f %.2f\n", e / (t - s), cpu / hz / e * 1000000 }'
 }
 
@@ -140,53 +109,42 @@ forward_shard() {
         --topic-template "bench-$run_id-$round-f$1.{aggregate_type}" 2>>"$logs/f$1_$2.log" &
 }
 slots_of() { if [ "$1" = 1 ]; then echo bench_f1; else seq -f "bench_f$1_%g_of_$1" 0 $(($1 - 1)); fi; }
-ticks_of() { read -r -a sample 2>/dev/null <"/proc/$1/stat" && echo $(( sample[13] + sample[14] )) || echo 0; }
 
 # Forwards the N-shard layout's slots to END; prints "events/s CPU-s-per-1M
 # forwarders walsenders broker" (the last three CPU-s per 1M too).
 #   forward N END
 forward() {
-    local n=$1 end=$2 i pids=() slot wal=() wcpu=() started ended k0 k1 fcpu=0 total=0 w
+    local n=$1 end=$2 i pids=() slot slots wal=() wcpu=() started ended k0 k1 fcpu=0 total=0 w
+    slots=$(slots_of "$n" | tr '\n' ' ')
     for i in $(seq 0 $((n - 1))); do forward_shard "$n" "$i"; pids+=($!); done
-    for slot in $(slots_of "$n"); do
-        wal+=("$(psql_admin -d $DB -c "SELECT walsender_of('$slot')")")
-    done
-    k0=$(ticks_of "$BROKER_PID")
+    for slot in $slots; do wal+=("$(walsender_pid $DB "$slot")"); done
+    k0=$(process_ticks "$BROKER_PID")
     started=$(date +%s.%N)
     until [ "$(psql_admin -d $DB -c "SELECT bool_and(confirmed_flush_lsn >= '$end') FROM pg_replication_slots
-                                      WHERE slot_name = ANY (string_to_array('$(slots_of "$n" | tr '\n' ' ')', ' '))")" = t ]; do
-        for i in "${!wal[@]}"; do w=$(ticks_of "${wal[$i]}"); [ "$w" = 0 ] || wcpu[$i]=$w; done
+                                      WHERE slot_name = ANY (string_to_array(trim('$slots'), ' '))")" = t ]; do
+        for i in "${!wal[@]}"; do w=$(process_ticks "${wal[$i]}") && wcpu[$i]=$w; done
         for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null || die "a forwarder of $n shard(s) exited: $(tail -2 "$logs"/f${n}_*.log)"; done
         sleep 0.05
     done
     ended=$(date +%s.%N)
-    k1=$(ticks_of "$BROKER_PID")
-    for pid in "${pids[@]}"; do fcpu=$(( fcpu + $(ticks_of "$pid") )); kill -TERM "$pid"; done
+    k1=$(process_ticks "$BROKER_PID")
+    for pid in "${pids[@]}"; do fcpu=$(( fcpu + $(process_ticks "$pid") )); kill -TERM "$pid"; done
     wait "${pids[@]}" || true
     for w in "${wcpu[@]}"; do total=$(( total + w )); done
-    awk -v e="$EVENTS" -v s="$started" -v t="$ended" -v f="$fcpu" -v w="$total" -v k="$(( k1 - k0 ))" -v hz="$ticks" \
+    awk -v e="$EVENTS" -v s="$started" -v t="$ended" -v f="$fcpu" -v w="$total" -v k="$(( k1 - k0 ))" -v hz="$CLK_TCK" \
         'BEGIN { m = 1000000 / e / hz; printf "%.0f %.2f %.2f %.2f %.2f\n", e / (t - s), (f + w + k) * m, f * m, w * m, k * m }'
 }
-
-# Prints the rounds file's line for layout N: "N RATE CPU RATE/1 CPU/1".
-ratios_of() {
-    echo "$1 ${rate[$1]} ${cpu[$1]} $(awk -v a="${rate[$1]}" -v b="${rate[1]}" 'BEGIN { printf "%.2f", a / b }')" \
-        "$(awk -v a="${cpu[$1]}" -v b="${cpu[1]}" 'BEGIN { printf "%.2f", a / b }')"
-}
-# The layouts in this round's order (turned every other round).
-#   layouts_of_round ROUND LAYOUTS
-layouts_of_round() { if [ $(($1 % 2)) = 0 ]; then tr ' ' '\n' <<<"$2" | tac | tr '\n' ' '; else echo "$2"; fi; }
 
 declare -A rate cpu
 results=$(mktemp)
 say "decoding $EVENTS outbox events per run through 1, 2 and 4 shards, $ROUNDS rounds, PostgreSQL $PG_VERSION, $(nproc) cores"
 for round in $(seq 1 "$ROUNDS"); do
-    for n in $(layouts_of_round "$round" "$DECODED_LAYOUTS"); do
+    for n in $(in_round_order "$round" "$DECODED_LAYOUTS"); do
         read -r r c < <(run "$n")
         rate[$n]=$r cpu[$n]=$c
         printf '  round %s  %s shard(s) %8s events/s  %6s walsender CPU-s per 1M events\n' "$round" "$n" "$r" "$c"
     done
-    for n in $DECODED_LAYOUTS; do ratios_of "$n" >>"$results"; done
+    for n in $DECODED_LAYOUTS; do rounds_line "$n" "${rate[$n]}" "${cpu[$n]}" "${rate[1]}" "${cpu[1]}" >>"$results"; done
 done
 
 echo
@@ -210,13 +168,13 @@ done
 for round in $(seq 1 "$ROUNDS"); do
     psql_admin -d $DB -c "CALL fill($EVENTS)"
     end=$(psql_admin -d $DB -c "SELECT pg_current_wal_lsn()")
-    for n in $(layouts_of_round "$round" "$LAYOUTS"); do
+    for n in $(in_round_order "$round" "$LAYOUTS"); do
         read -r r c f w k < <(forward "$n" "$end")
         rate[$n]=$r cpu[$n]=$c
         printf '  round %s  %s shard(s) %8s events/s  %6s CPU-s per 1M events (forwarders %s, walsenders %s, broker %s)\n' \
             "$round" "$n" "$r" "$c" "$f" "$w" "$k"
     done
-    for n in $LAYOUTS; do ratios_of "$n" >>"$results"; done
+    for n in $LAYOUTS; do rounds_line "$n" "${rate[$n]}" "${cpu[$n]}" "${rate[1]}" "${cpu[1]}" >>"$results"; done
     psql_admin -d $DB -c "TRUNCATE outbox.events" >/dev/null
     bench_topics_drop "bench-$run_id-$round-"
 done
